@@ -1,0 +1,1 @@
+//! kvroute endpoint picker (EPP).

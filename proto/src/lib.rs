@@ -1,0 +1,14 @@
+//! kvroute's shared wire contracts (see DESIGN.md, "Contracts"): the KV event model, Dynamo-compatible
+//! block hashing, worker identity and metadata, our gRPC worker-control service, and prompt
+//! rendering (chat template + tokenizer) shared by the EPP and the workers so their token ids agree.
+
+pub mod events;
+pub mod hashing;
+pub mod metadata;
+pub mod worker_id;
+
+/// Generated protobuf / tonic code for `proto/kvroute.proto`.
+#[allow(clippy::all)]
+pub mod pb {
+    tonic::include_proto!("kvroute.v1");
+}
