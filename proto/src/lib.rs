@@ -5,6 +5,8 @@
 pub mod events;
 pub mod hashing;
 pub mod metadata;
+pub mod openai;
+pub mod prompt;
 pub mod worker_id;
 
 /// Generated protobuf / tonic code for `proto/kvroute.proto`.
