@@ -1,1 +1,4 @@
 //! kvroute worker shims.
+
+pub mod events;
+pub mod sim;
