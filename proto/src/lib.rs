@@ -4,9 +4,11 @@
 
 pub mod events;
 pub mod hashing;
+pub mod hints;
 pub mod metadata;
 pub mod openai;
 pub mod prompt;
+pub mod tokenizer;
 pub mod worker_id;
 
 /// Generated protobuf / tonic code for `proto/kvroute.proto`.
