@@ -1,1 +1,5 @@
-//! Helpers for kvroute end-to-end tests: spawning real processes on free loopback ports.
+//! The kvroute test harness: starts real processes (Envoy, the EPP, sim workers) on free loopback
+//! ports, waits until each is ready, and kills them when dropped. Used by the end-to-end tests in
+//! `tests/tests/` and by `kvroute-stack`, the process behind `./dev up`.
+
+pub mod harness;
