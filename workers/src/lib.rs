@@ -1,4 +1,6 @@
 //! kvroute worker shims.
 
 pub mod events;
+pub mod http;
+pub mod metrics;
 pub mod sim;
