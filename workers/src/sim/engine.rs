@@ -159,6 +159,9 @@ pub struct RankStats {
     pub prefix_hits_tokens: u64,
     pub preemptions: u64,
     pub finished_requests: u64,
+    /// Simulated engine time of all steps so far, before the speedup divisor: what a real
+    /// engine following the perf model would have spent computing.
+    pub simulated_time: std::time::Duration,
 }
 
 #[derive(Debug)]
@@ -274,8 +277,7 @@ impl SimEngine {
         let mut best = &self.inner.ranks[0];
         let mut best_key = (u64::MAX, u64::MAX);
         for r in &self.inner.ranks {
-            let s = r.stats();
-            let key = (u64::from(s.running + s.waiting), s.kv_used_blocks);
+            let key = r.load();
             if key < best_key {
                 best_key = key;
                 best = r;
@@ -286,6 +288,15 @@ impl SimEngine {
 
     pub fn stats(&self) -> Vec<RankStats> {
         self.inner.ranks.iter().map(|r| r.stats()).collect()
+    }
+
+    /// Simulated time of a rank's steps so far (unscaled; see [`RankStats::simulated_time`]).
+    /// Cheaper than [`stats`](Self::stats), for timing requests in simulated time.
+    pub fn simulated_time(&self, dp_rank: u32) -> Option<std::time::Duration> {
+        self.inner
+            .ranks
+            .get(dp_rank as usize)
+            .map(|r| r.simulated_time())
     }
 
     /// The shared KV event log of all ranks.

@@ -96,6 +96,8 @@ struct RankCore {
     next_seq: SeqId,
     preemptions: u64,
     finished: u64,
+    /// Sum of the unscaled durations of completed steps.
+    simulated: Duration,
     stopped: bool,
 }
 
@@ -129,6 +131,7 @@ impl RankShared {
                 next_seq: 1,
                 preemptions: 0,
                 finished: 0,
+                simulated: Duration::ZERO,
                 stopped: false,
             }),
             cfg,
@@ -179,7 +182,21 @@ impl RankShared {
             prefix_hits_tokens: bs.prefix_hits_tokens,
             preemptions: core.preemptions,
             finished_requests: core.finished,
+            simulated_time: core.simulated,
         }
+    }
+
+    /// (queued + running requests, used blocks): the key for least-loaded placement.
+    pub(crate) fn load(&self) -> (u64, u64) {
+        let core = self.core.lock();
+        (
+            (core.running.len() + core.waiting.len()) as u64,
+            core.manager.stats().used_blocks,
+        )
+    }
+
+    pub(crate) fn simulated_time(&self) -> Duration {
+        self.core.lock().simulated
     }
 
     pub(crate) fn reset_prefix_cache(&self) {
@@ -205,8 +222,9 @@ impl RankShared {
         plan
     }
 
-    fn finish_step(&self) {
+    fn finish_step(&self, unscaled: Duration) {
         let mut core = self.core.lock();
+        core.simulated += unscaled;
         core.finish(&self.cfg);
         self.publish(&mut core);
     }
@@ -411,14 +429,10 @@ pub(crate) async fn run(rank: Arc<RankShared>) {
                 let _ = tokio::time::timeout(Duration::from_millis(5), rank.wake.notified()).await;
             }
             Some(plan) => {
-                let d = step_duration(
-                    plan.prefill_tokens,
-                    plan.decodes,
-                    plan.utilisation,
-                    rank.cfg.speedup,
-                );
-                clock.advance(d).await;
-                rank.finish_step();
+                let unscaled =
+                    step_duration(plan.prefill_tokens, plan.decodes, plan.utilisation, 1.0);
+                clock.advance(unscaled.div_f64(rank.cfg.speedup)).await;
+                rank.finish_step(unscaled);
             }
         }
     }
