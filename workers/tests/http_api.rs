@@ -666,6 +666,18 @@ async fn shutdown_drains_and_stops() {
     let mut srv = start().await;
     let r = get(srv.addr, "/health").await;
     assert_eq!(r.status, 200);
+    // Once shutdown begins, health fails and new work is refused with 503.
+    srv.state.begin_shutdown();
+    get(srv.addr, "/health")
+        .await
+        .assert_error(503, "shutting down");
+    post(
+        srv.addr,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "hi"}),
+    )
+    .await
+    .assert_error(503, "shutting down");
     srv.stop.take().unwrap().send(()).unwrap();
     tokio::time::timeout(Duration::from_secs(5), &mut srv.task)
         .await
@@ -677,4 +689,17 @@ async fn shutdown_drains_and_stops() {
         TcpStream::connect(srv.addr).await.is_err(),
         "listener closed"
     );
+}
+
+#[tokio::test]
+async fn stopped_engine_gives_503() {
+    let srv = start().await;
+    srv.state.engine.shutdown();
+    post(
+        srv.addr,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await
+    .assert_error(503, "engine is shutting down");
 }
