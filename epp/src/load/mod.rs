@@ -4,8 +4,10 @@
 //! and its KV blocks), its prefill tokens are dropped when the first response byte arrives, and
 //! the whole booking is released when the response ends, the client aborts or the ext_proc
 //! stream resets. Bookings are the only load signal fast enough to stop a burst converging on
-//! one worker (a polled metric is always stale, GAIE pain point "Stale load"); the workers' own
-//! reports are merged in so load from other routers and leaked bookings do not go unseen.
+//! one worker (a polled metric is always stale, GAIE pain point "Stale load"), so the cost
+//! function reads bookings only, as Dynamo's router does. The workers' own reports feed the busy
+//! thresholds (where staleness errs on the safe side) and reconcile the books: a booking older
+//! than a report saying the rank runs and queues nothing has leaked, and is dropped.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -28,15 +30,14 @@ pub struct ReportedLoad {
     pub max_num_batched_tokens: u32,
 }
 
-/// The load the selector sees for one (worker, dp rank).
+/// The load the selector sees for one (worker, dp rank): this router's bookings, plus the
+/// rank's last fresh report (zero when none).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct LoadView {
     pub active_prefill_tokens: u64,
     pub active_decode_blocks: u64,
     pub active_requests: u64,
-    pub kv_total_blocks: u64,
-    pub waiting_requests: u32,
-    pub max_num_batched_tokens: u32,
+    pub reported: ReportedLoad,
 }
 
 #[derive(Default)]
@@ -53,10 +54,14 @@ struct Booking {
     prefill_tokens: u64,
     decode_blocks: u64,
     prefill_done: bool,
+    booked_at: Instant,
 }
 
 /// Reports older than this are ignored (the worker is probably gone or partitioned).
 const REPORT_TTL: Duration = Duration::from_secs(5);
+/// A booking this much older than an idle report is a leak, not a request in flight
+/// (covers the poll interval and request hand-off to the engine).
+const LEAK_GRACE: Duration = Duration::from_secs(2);
 
 #[derive(Default)]
 pub struct LoadLedger {
@@ -88,6 +93,7 @@ impl LoadLedger {
                 prefill_tokens,
                 decode_blocks,
                 prefill_done: false,
+                booked_at: Instant::now(),
             },
         );
     }
@@ -141,8 +147,25 @@ impl LoadLedger {
         self.bookings.len()
     }
 
-    pub fn set_reported(&self, key: WorkerKey, load: ReportedLoad) {
-        *self.counters(key).reported.lock() = Some((load, Instant::now()));
+    /// Records a worker's report; if it says the rank is idle, releases bookings on it that
+    /// are clearly older than the report (returns how many).
+    pub fn set_reported(&self, key: WorkerKey, load: ReportedLoad) -> usize {
+        let now = Instant::now();
+        *self.counters(key).reported.lock() = Some((load, now));
+        if load.running_requests > 0 || load.waiting_requests > 0 {
+            return 0;
+        }
+        let leaked: Vec<String> = self
+            .bookings
+            .iter()
+            .filter(|b| b.key == key && now.duration_since(b.booked_at) > LEAK_GRACE)
+            .map(|b| b.key().clone())
+            .collect();
+        for id in &leaked {
+            tracing::debug!(request_id = %id, worker = key.0, "releasing a booking the worker does not know");
+            self.release(id);
+        }
+        leaked.len()
     }
 
     /// Forgets a worker's counters and reports (its bookings release normally when their streams end).
@@ -150,31 +173,26 @@ impl LoadLedger {
         self.ranks.retain(|k, _| k.0 != worker_id);
     }
 
-    /// Booked load merged with the worker's fresh report: each signal is the larger of the two,
-    /// so neither another router's traffic nor a lost release hides load for long.
     pub fn view(&self, key: WorkerKey) -> LoadView {
         let Some(c) = self.ranks.get(&key).map(|c| c.clone()) else {
             return LoadView::default();
         };
-        let mut v = LoadView {
+        let reported = match *c.reported.lock() {
+            Some((r, at)) if at.elapsed() < REPORT_TTL => r,
+            // Capacity does not go stale.
+            Some((r, _)) => ReportedLoad {
+                kv_total_blocks: r.kv_total_blocks,
+                max_num_batched_tokens: r.max_num_batched_tokens,
+                ..ReportedLoad::default()
+            },
+            None => ReportedLoad::default(),
+        };
+        LoadView {
             active_prefill_tokens: c.prefill_tokens.load(Ordering::Relaxed),
             active_decode_blocks: c.decode_blocks.load(Ordering::Relaxed),
             active_requests: c.requests.load(Ordering::Relaxed),
-            ..LoadView::default()
-        };
-        if let Some((r, at)) = *c.reported.lock() {
-            if at.elapsed() < REPORT_TTL {
-                v.active_prefill_tokens = v.active_prefill_tokens.max(r.active_prefill_tokens);
-                v.active_decode_blocks = v.active_decode_blocks.max(r.kv_used_blocks);
-                v.active_requests = v
-                    .active_requests
-                    .max(u64::from(r.running_requests) + u64::from(r.waiting_requests));
-                v.waiting_requests = r.waiting_requests;
-            }
-            v.kv_total_blocks = r.kv_total_blocks;
-            v.max_num_batched_tokens = r.max_num_batched_tokens;
+            reported,
         }
-        v
     }
 }
 
@@ -228,29 +246,46 @@ mod tests {
     }
 
     #[test]
-    fn reports_merge_with_bookings() {
+    fn reports_are_kept_apart_and_reconcile_leaks() {
         let l = LoadLedger::new();
         l.book("r", (1, 0), 10, 2);
-        l.set_reported(
-            (1, 0),
-            ReportedLoad {
-                kv_used_blocks: 40,
-                kv_total_blocks: 100,
-                running_requests: 3,
-                waiting_requests: 2,
-                active_prefill_tokens: 5,
-                max_num_batched_tokens: 8192,
-            },
-        );
+        let busy = ReportedLoad {
+            kv_used_blocks: 40,
+            kv_total_blocks: 100,
+            running_requests: 3,
+            waiting_requests: 2,
+            active_prefill_tokens: 5,
+            max_num_batched_tokens: 8192,
+        };
+        assert_eq!(l.set_reported((1, 0), busy), 0);
         let v = l.view((1, 0));
-        assert_eq!(v.active_decode_blocks, 40);
-        assert_eq!(v.active_prefill_tokens, 10);
-        assert_eq!(v.active_requests, 5);
-        assert_eq!(v.kv_total_blocks, 100);
+        assert_eq!(
+            (
+                v.active_prefill_tokens,
+                v.active_decode_blocks,
+                v.active_requests
+            ),
+            (10, 2, 1)
+        );
+        assert_eq!(v.reported, busy);
+        // An idle report does not touch a fresh booking (it may not have reached the engine yet)...
+        let idle = ReportedLoad {
+            kv_total_blocks: 100,
+            ..ReportedLoad::default()
+        };
+        assert_eq!(l.set_reported((1, 0), idle), 0);
+        assert_eq!(l.view((1, 0)).active_requests, 1);
+        // ...but releases one older than the grace period.
+        if let Some(mut b) = l.bookings.get_mut("r") {
+            b.booked_at = Instant::now() - LEAK_GRACE - Duration::from_millis(1);
+        }
+        assert_eq!(l.set_reported((1, 0), idle), 1);
+        assert_eq!(l.view((1, 0)).active_requests, 0);
+        l.book("s", (1, 0), 1, 1);
         l.forget_worker(1);
         assert_eq!(l.view((1, 0)), LoadView::default());
         assert!(
-            l.release("r"),
+            l.release("s"),
             "bookings outlive forgotten counters without underflow"
         );
         assert_eq!(l.view((1, 0)).active_requests, 0);

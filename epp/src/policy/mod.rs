@@ -79,13 +79,18 @@ pub struct BusyThresholds {
 }
 
 impl BusyThresholds {
+    /// Busy if any check holds; each reads the larger of this router's bookings and the
+    /// worker's report (a report also carries other routers' traffic).
     pub fn is_busy(&self, load: &LoadView) -> bool {
-        if let (Some(frac), true) = (self.active_decode_blocks_frac, load.kv_total_blocks > 0) {
-            if load.active_decode_blocks as f64 / load.kv_total_blocks as f64 > frac {
+        let r = &load.reported;
+        if let (Some(frac), true) = (self.active_decode_blocks_frac, r.kv_total_blocks > 0) {
+            let used = load.active_decode_blocks.max(r.kv_used_blocks);
+            if used as f64 / r.kv_total_blocks as f64 > frac {
                 return true;
             }
         }
-        matches!(self.active_prefill_tokens, Some(t) if load.active_prefill_tokens > t)
+        let prefill = load.active_prefill_tokens.max(r.active_prefill_tokens);
+        matches!(self.active_prefill_tokens, Some(t) if prefill > t)
     }
 }
 
@@ -348,14 +353,17 @@ mod tests {
             active_prefill_tokens: Some(1000),
         };
         let mut l = LoadView {
-            kv_total_blocks: 100,
             active_decode_blocks: 80,
             ..LoadView::default()
         };
+        l.reported.kv_total_blocks = 100;
         assert!(!t.is_busy(&l));
         l.active_decode_blocks = 81;
         assert!(t.is_busy(&l));
         l.active_decode_blocks = 0;
+        l.reported.kv_used_blocks = 90;
+        assert!(t.is_busy(&l), "the worker's own report counts too");
+        l.reported.kv_used_blocks = 0;
         l.active_prefill_tokens = 1001;
         assert!(t.is_busy(&l));
         assert!(!BusyThresholds::default().is_busy(&l));
