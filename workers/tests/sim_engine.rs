@@ -231,6 +231,42 @@ async fn prefix_hits_cut_ttft() {
 }
 
 #[tokio::test]
+async fn timed_outputs_follow_the_perf_model_exactly() {
+    use kvroute_worker::sim::timing::step_duration;
+    // Simulated time does not depend on how fast the simulator runs: use a huge speedup.
+    let engine = SimEngine::start(SimConfig {
+        speedup: 10_000.0,
+        ..cfg()
+    });
+    let first = |mut rx: UnboundedReceiver<kvroute_worker::sim::TimedOutput>| async move {
+        let first = rx.recv().await.expect("first token");
+        while rx.recv().await.is_some() {}
+        first
+    };
+    // Idle engine, one 8000-token prompt: TTFT is exactly one 8000-token prefill step.
+    let cold = first(
+        engine
+            .submit_timed(req("cold", unique(1, 8000), 1))
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(cold.sim_elapsed, step_duration(8000, false, 0.0, 1.0));
+    // 7200 of 8000 tokens cached: exactly one 800-token prefill step.
+    let mut p = unique(1, 7200);
+    p.extend(unique(2, 800));
+    let warm = first(engine.submit_timed(req("warm", p, 1)).unwrap()).await;
+    assert!(matches!(
+        warm.output,
+        EngineOutput::FirstToken {
+            cached_tokens: 7200,
+            ..
+        }
+    ));
+    assert_eq!(warm.sim_elapsed, step_duration(800, false, 0.0, 1.0));
+    assert!(warm.sim_elapsed.as_secs_f64() < 0.2 * cold.sim_elapsed.as_secs_f64());
+}
+
+#[tokio::test]
 async fn long_prompts_prefill_in_chunks() {
     // Budget of 256 tokens per step: a 1000-token prompt needs 4 prefill steps.
     let engine = SimEngine::start(SimConfig {

@@ -4,10 +4,10 @@
 //!
 //! Requests are closed-loop (`--concurrency` in flight). Request `i` uses shared prefix group
 //! `i % --prefix-groups` followed by a private tail, so the first request of each group is cold
-//! and later ones hit the cache. TTFTs are reported in simulated milliseconds, read from the
-//! engine rank's simulated clock (the sum of its unscaled step times) at submit and at receipt
-//! of the first token: what a real engine following the mocker's perf model would show, even
-//! when the simulator cannot keep up with the requested speedup.
+//! and later ones hit the cache. TTFTs are reported in simulated milliseconds, stamped by the
+//! engine (`SimEngine::submit_timed`: the rank's unscaled step times since the request was
+//! queued): what a real engine following the mocker's perf model would show, even when the
+//! simulator cannot keep up with the requested speedup.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use kvroute_worker::sim::{EngineOutput, EngineRequest, SimConfig, SimEngine};
+use kvroute_worker::sim::{EngineOutput, EngineRequest, SimConfig, SimEngine, TimedOutput};
 use tokio::sync::Semaphore;
 
 #[derive(Parser, Debug)]
@@ -129,10 +129,7 @@ async fn main() -> anyhow::Result<()> {
             cache_salt: None,
             dp_rank: Some(i % args.dp_size.max(1)),
         };
-        let rank = i % args.dp_size.max(1);
-        let sim_sent = engine.simulated_time(rank).unwrap_or_default();
-        let engine_c = engine.clone();
-        let mut rx = engine.submit(req).context("submit")?;
+        let mut rx = engine.submit_timed(req).context("submit")?;
         let done = done.clone();
         tasks.push(tokio::spawn(async move {
             let _permit = permit;
@@ -141,11 +138,14 @@ async fn main() -> anyhow::Result<()> {
                 cached_tokens: 0,
                 completion_tokens: 0,
             };
-            while let Some(out) = rx.recv().await {
-                match out {
+            while let Some(TimedOutput {
+                output,
+                sim_elapsed,
+            }) = rx.recv().await
+            {
+                match output {
                     EngineOutput::FirstToken { cached_tokens, .. } => {
-                        let now = engine_c.simulated_time(rank).unwrap_or_default();
-                        sample.ttft = now.saturating_sub(sim_sent);
+                        sample.ttft = sim_elapsed;
                         sample.cached_tokens = cached_tokens;
                     }
                     EngineOutput::Token { .. } => {}

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use tokio::sync::mpsc;
 
 use super::block_manager::Namespace;
-use super::scheduler::{self, RankShared, SimRequest};
+use super::scheduler::{self, OutputTx, RankShared, SimRequest};
 use crate::events::{EventLog, EventLogConfig};
 
 /// Simulated engine configuration (defaults follow Dynamo's mocker).
@@ -111,6 +111,15 @@ pub enum EngineOutput {
         completion_tokens: u32,
         cached_tokens: u32,
     },
+}
+
+/// An output stamped with the simulated engine time since its request was queued (unscaled by
+/// the speedup: what a real engine following the perf model would take). See
+/// [`SimEngine::submit_timed`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TimedOutput {
+    pub output: EngineOutput,
+    pub sim_elapsed: std::time::Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -233,6 +242,24 @@ impl SimEngine {
         &self,
         req: EngineRequest,
     ) -> Result<mpsc::UnboundedReceiver<EngineOutput>, EngineError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.enqueue(req, OutputTx::Plain(tx))?;
+        Ok(rx)
+    }
+
+    /// Like [`submit`](Self::submit), with every output stamped with the simulated time since
+    /// the request was queued (TTFT / latency in simulated time, independent of how fast the
+    /// simulator itself runs).
+    pub fn submit_timed(
+        &self,
+        req: EngineRequest,
+    ) -> Result<mpsc::UnboundedReceiver<TimedOutput>, EngineError> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.enqueue(req, OutputTx::Timed(tx))?;
+        Ok(rx)
+    }
+
+    fn enqueue(&self, req: EngineRequest, tx: OutputTx) -> Result<(), EngineError> {
         if self.inner.shutdown.load(Ordering::Acquire) {
             return Err(EngineError::ShuttingDown);
         }
@@ -256,7 +283,6 @@ impl SimEngine {
                 })?,
             None => self.least_loaded(),
         };
-        let (tx, rx) = mpsc::unbounded_channel();
         let request = SimRequest::new(
             req.request_id,
             Namespace {
@@ -270,7 +296,7 @@ impl SimEngine {
         if !rank.enqueue(request) {
             return Err(EngineError::ShuttingDown);
         }
-        Ok(rx)
+        Ok(())
     }
 
     fn least_loaded(&self) -> &Arc<RankShared> {

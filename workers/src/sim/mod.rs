@@ -14,4 +14,5 @@ pub mod timing;
 
 pub use engine::{
     EngineError, EngineOutput, EngineRequest, FinishReason, RankStats, SimConfig, SimEngine,
+    TimedOutput,
 };

@@ -19,9 +19,38 @@ use parking_lot::Mutex;
 use tokio::sync::{mpsc, Notify};
 
 use super::block_manager::{AllocError, BlockManager, Namespace, SeqId};
-use super::engine::{EngineOutput, FinishReason, RankStats, SimConfig};
+use super::engine::{EngineOutput, FinishReason, RankStats, SimConfig, TimedOutput};
 use super::timing::{step_duration, VirtualClock};
 use crate::events::EventLog;
+
+/// Where a request's outputs go: plain, or stamped with the simulated time since it was queued.
+#[derive(Debug)]
+pub(crate) enum OutputTx {
+    Plain(mpsc::UnboundedSender<EngineOutput>),
+    Timed(mpsc::UnboundedSender<TimedOutput>),
+}
+
+impl OutputTx {
+    fn is_closed(&self) -> bool {
+        match self {
+            OutputTx::Plain(tx) => tx.is_closed(),
+            OutputTx::Timed(tx) => tx.is_closed(),
+        }
+    }
+
+    /// False when the receiver is gone.
+    fn send(&self, output: EngineOutput, sim_elapsed: Duration) -> bool {
+        match self {
+            OutputTx::Plain(tx) => tx.send(output).is_ok(),
+            OutputTx::Timed(tx) => tx
+                .send(TimedOutput {
+                    output,
+                    sim_elapsed,
+                })
+                .is_ok(),
+        }
+    }
+}
 
 /// A request inside the scheduler.
 #[derive(Debug)]
@@ -41,7 +70,9 @@ pub(crate) struct SimRequest {
     seq: SeqId,
     /// Tokens scheduled in the current step.
     scheduled: usize,
-    tx: mpsc::UnboundedSender<EngineOutput>,
+    tx: OutputTx,
+    /// The rank's simulated time when the request was queued.
+    sim_enqueued: Duration,
 }
 
 impl SimRequest {
@@ -50,7 +81,7 @@ impl SimRequest {
         ns: Namespace,
         prompt: Vec<u32>,
         max_tokens: u32,
-        tx: mpsc::UnboundedSender<EngineOutput>,
+        tx: OutputTx,
     ) -> Self {
         SimRequest {
             request_id,
@@ -65,6 +96,7 @@ impl SimRequest {
             seq: 0,
             scheduled: 0,
             tx,
+            sim_enqueued: Duration::ZERO,
         }
     }
 
@@ -142,12 +174,13 @@ impl RankShared {
     }
 
     /// Queues a request; false once the rank has stopped.
-    pub(crate) fn enqueue(&self, req: SimRequest) -> bool {
+    pub(crate) fn enqueue(&self, mut req: SimRequest) -> bool {
         {
             let mut core = self.core.lock();
             if core.stopped {
                 return false;
             }
+            req.sim_enqueued = core.simulated;
             core.waiting.push_back(req);
         }
         // notify_one stores a permit when the task is busy, so no wake-up is lost.
@@ -298,7 +331,8 @@ impl RankCore {
                         self.manager.free(r.seq);
                         self.finished += 1;
                         tracing::warn!(request_id = %r.request_id, tokens = r.tokens.len(), "sequence outgrew the KV cache; finishing early");
-                        let _ = r.tx.send(r.finished_output(FinishReason::Length));
+                        let elapsed = self.simulated.saturating_sub(r.sim_enqueued);
+                        r.tx.send(r.finished_output(FinishReason::Length), elapsed);
                         continue;
                     }
                     // The newest running request goes back to the front of the queue and will
@@ -316,7 +350,8 @@ impl RankCore {
                 Err(e) => {
                     tracing::error!(error = %e, "block manager lost a running sequence");
                     let r = self.running.remove(i);
-                    let _ = r.tx.send(r.finished_output(FinishReason::Length));
+                    let elapsed = self.simulated.saturating_sub(r.sim_enqueued);
+                    r.tx.send(r.finished_output(FinishReason::Length), elapsed);
                 }
             }
         }
@@ -395,10 +430,11 @@ impl RankCore {
             };
             r.generated += 1;
             r.tokens.push(token_id);
-            let mut alive = r.tx.send(out).is_ok();
+            let elapsed = self.simulated.saturating_sub(r.sim_enqueued);
+            let mut alive = r.tx.send(out, elapsed);
             let done = r.generated >= r.max_tokens;
             if done && alive {
-                alive = r.tx.send(r.finished_output(FinishReason::Length)).is_ok();
+                alive = r.tx.send(r.finished_output(FinishReason::Length), elapsed);
             }
             if done || !alive {
                 let r = self.running.remove(i);
