@@ -87,6 +87,9 @@ struct Args {
     /// Honour the conformance test header test-epp-endpoint-selection.
     #[arg(long, env = "KVROUTE_TEST_EPP_HEADER")]
     test_epp_header: bool,
+    /// How long a pick's blocks count as held by the chosen worker until its KV events arrive (0 = off).
+    #[arg(long, env = "KVROUTE_SPECULATIVE_TTL_MS", default_value_t = 2000)]
+    speculative_ttl_ms: u64,
     /// How often to poll each worker's load report.
     #[arg(long, env = "KVROUTE_LOAD_POLL_MS", default_value_t = 100)]
     load_poll_ms: u64,
@@ -101,12 +104,11 @@ async fn main() -> anyhow::Result<()> {
         )
         .init();
     let args = Args::parse();
-    for (name, v) in [("--overlap-score-credit", args.overlap_score_credit)] {
-        anyhow::ensure!(
-            (0.0..=1.0).contains(&v),
-            "{name} must be in [0, 1], got {v}"
-        );
-    }
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&args.overlap_score_credit),
+        "--overlap-score-credit must be in [0, 1], got {}",
+        args.overlap_score_credit
+    );
     anyhow::ensure!(
         args.router_temperature >= 0.0,
         "--router-temperature must be >= 0"
@@ -169,6 +171,7 @@ async fn main() -> anyhow::Result<()> {
                 active_prefill_tokens: args.active_prefill_tokens_threshold,
             },
             fallbacks: args.fallbacks,
+            speculative_ttl: Duration::from_millis(args.speculative_ttl_ms),
         },
         renderer,
         pool.clone(),

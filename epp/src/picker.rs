@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvroute_proto::hashing::{local_block_hashes, namespace_seed};
+use kvroute_proto::hashing::{local_block_hashes, namespace_seed, sequence_hashes};
 use kvroute_proto::metadata::WorkerRole;
 use kvroute_proto::openai::{self, ApiKind};
 use kvroute_proto::prompt::PromptRenderer;
@@ -16,6 +16,7 @@ use crate::load::{LoadLedger, WorkerKey};
 use crate::metrics::EppMetrics;
 use crate::policy::{
     ApproxPrefixIndex, BusyThresholds, Candidate, CostParams, PolicyKind, RequestShape, Selector,
+    SpeculativeIndex,
 };
 use crate::pool::{endpoint_matches, WorkerEntry, WorkerPool};
 
@@ -32,6 +33,9 @@ pub struct PickerConfig {
     pub busy: BusyThresholds,
     /// How many next-best endpoints follow the pick in the `envoy.lb` fallback list.
     pub fallbacks: usize,
+    /// How long a pick's blocks count as held by the chosen worker before its KV events arrive
+    /// (zero disables speculation).
+    pub speculative_ttl: std::time::Duration,
 }
 
 /// Where a request goes.
@@ -96,6 +100,7 @@ pub struct Picker {
     pub metrics: Arc<EppMetrics>,
     selector: Selector,
     approx: ApproxPrefixIndex,
+    speculative: SpeculativeIndex,
 }
 
 /// The request understood: enough to score it.
@@ -117,6 +122,7 @@ impl Picker {
     ) -> Self {
         let selector = Selector::new(cfg.policy, cfg.cost);
         let approx = ApproxPrefixIndex::new(cfg.block_size, 1 << 20);
+        let speculative = SpeculativeIndex::new(cfg.speculative_ttl, 1 << 20);
         Picker {
             cfg,
             renderer,
@@ -126,6 +132,7 @@ impl Picker {
             metrics,
             selector,
             approx,
+            speculative,
         }
     }
 
@@ -305,10 +312,12 @@ impl Picker {
     fn choose(&self, meta: &RequestMeta, u: Option<&Understood>) -> Result<Decision, Rejection> {
         let workers = self.eligible(meta, u.map(|u| u.model.as_str()))?;
         let hashes: &[u64] = u.map(|u| u.hashes.as_slice()).unwrap_or(&[]);
-        let overlaps = if hashes.is_empty() || self.cfg.policy != PolicyKind::Kv {
-            None
+        let kv = !hashes.is_empty() && self.cfg.policy == PolicyKind::Kv;
+        let overlaps = kv.then(|| self.index.find_matches(hashes));
+        let positions = if kv && self.speculative.enabled() {
+            sequence_hashes(hashes)
         } else {
-            Some(self.index.find_matches(hashes))
+            Vec::new()
         };
         let mut cands = Vec::new();
         let mut owners = Vec::new();
@@ -332,6 +341,15 @@ impl Picker {
                     preferred_weight: 0.0,
                 });
                 owners.push(w.clone());
+            }
+        }
+        if !positions.is_empty() {
+            let keys: Vec<WorkerKey> = cands.iter().map(|c| c.key).collect();
+            for (c, spec) in cands
+                .iter_mut()
+                .zip(self.speculative.overlaps(&positions, &keys))
+            {
+                c.overlap_blocks = c.overlap_blocks.max(spec);
             }
         }
         if cands.is_empty() {
@@ -384,6 +402,9 @@ impl Picker {
         if !approx_hashes.is_empty() {
             self.approx.record(&approx_hashes, chosen.key);
         }
+        if !positions.is_empty() {
+            self.speculative.record(&positions, chosen.key);
+        }
         Ok(Decision {
             destinations,
             worker_id: chosen.key.0,
@@ -397,5 +418,6 @@ impl Picker {
     /// Forgets a departed worker in the policies' own state.
     pub fn forget_worker(&self, worker_id: u64) {
         self.approx.forget_worker(worker_id);
+        self.speculative.forget_worker(worker_id);
     }
 }

@@ -196,11 +196,12 @@ impl StreamHandler {
                 {
                     self.credit_served(&served);
                 }
-                self.send(continue_response_headers()).await?;
+                // Release before replying: once Envoy has our reply the client can see the end of
+                // the response and send its next turn, which must not find this request booked.
                 if h.end_of_stream {
                     self.release();
                 }
-                Ok(())
+                self.send(continue_response_headers()).await
             }
             Some(processing_request::Request::ResponseBody(b)) => {
                 if !self.saw_response_body {
@@ -213,16 +214,14 @@ impl StreamHandler {
                 } else {
                     continue_body(true)
                 };
-                self.send(reply).await?;
                 if eos {
                     self.release();
                 }
-                Ok(())
+                self.send(reply).await
             }
             Some(processing_request::Request::ResponseTrailers(_)) => {
-                self.send(trailers_response(true)).await?;
                 self.release();
-                Ok(())
+                self.send(trailers_response(true)).await
             }
             None => Ok(()),
         }

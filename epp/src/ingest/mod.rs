@@ -57,12 +57,12 @@ pub struct Sinks {
     pub metrics: Arc<EppMetrics>,
 }
 
+/// A worker's ingest task, and the instance id it registered (once known).
+type RunningWorker = (WorkerEndpoint, JoinHandle<()>, watch::Receiver<Option<u64>>);
+
 /// Follows the discovery channel forever: starts a task per new worker, stops removed ones.
 pub async fn run(mut workers: watch::Receiver<WorkerList>, sinks: Sinks, cfg: IngestConfig) {
-    let mut running: HashMap<
-        String,
-        (WorkerEndpoint, JoinHandle<()>, watch::Receiver<Option<u64>>),
-    > = HashMap::new();
+    let mut running: HashMap<String, RunningWorker> = HashMap::new();
     loop {
         let list = workers.borrow_and_update().clone();
         if let Some(list) = list {
@@ -422,8 +422,10 @@ fn apply_batch(
 }
 
 /// Namespace seeds by (lora, salt); a tiny cache since the same few recur.
+type Namespace = (Option<String>, Option<String>);
+
 #[derive(Default)]
-struct SeedCache(parking_lot::Mutex<HashMap<(Option<String>, Option<String>), u64>>);
+struct SeedCache(parking_lot::Mutex<HashMap<Namespace, u64>>);
 
 impl SeedCache {
     fn seed(&self, lora: Option<&str>, salt: Option<&str>) -> u64 {

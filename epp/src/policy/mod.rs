@@ -14,6 +14,7 @@
 //! topology `required`) is decided before scoring, by the caller.
 
 pub mod approx_prefix;
+pub mod speculative;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -22,6 +23,7 @@ use rand::Rng;
 use crate::load::{LoadView, WorkerKey};
 
 pub use approx_prefix::ApproxPrefixIndex;
+pub use speculative::SpeculativeIndex;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum PolicyKind {

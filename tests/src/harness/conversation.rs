@@ -21,7 +21,7 @@ pub fn text(seed: u64, words: usize) -> String {
             out.push(' ');
         }
         out.push_str(WORDS[(x % WORDS.len() as u64) as usize]);
-        if x % 11 == 0 {
+        if x.is_multiple_of(11) {
             out.push_str(&format!(" {}", x % 1000));
         }
     }

@@ -6,6 +6,7 @@ pub mod conversation;
 pub mod envoy;
 pub mod process;
 pub mod stack;
+pub mod stats;
 
 use std::path::{Path, PathBuf};
 

@@ -56,10 +56,10 @@ impl ChildProcess {
 
     /// Has the process exited? (Reaps it if so.)
     pub fn exited(&mut self) -> bool {
-        match self.child.as_mut().map(|c| c.try_wait()) {
-            Some(Ok(Some(_))) | None => true,
-            _ => false,
-        }
+        matches!(
+            self.child.as_mut().map(|c| c.try_wait()),
+            Some(Ok(Some(_))) | None
+        )
     }
 
     pub fn log_tail(&self, lines: usize) -> String {
