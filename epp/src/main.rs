@@ -90,6 +90,10 @@ struct Args {
     /// How long a pick's blocks count as held by the chosen worker until its KV events arrive (0 = off).
     #[arg(long, env = "KVROUTE_SPECULATIVE_TTL_MS", default_value_t = 2000)]
     speculative_ttl_ms: u64,
+    /// Conditional disaggregation: prefill on the decode worker when it would compute fewer
+    /// uncached prompt tokens than this (0 = always use a prefill worker when there is one).
+    #[arg(long, env = "KVROUTE_DISAGG_MIN_UNCACHED_TOKENS", default_value_t = 0)]
+    disagg_min_uncached_tokens: u64,
     /// How often to poll each worker's load report.
     #[arg(long, env = "KVROUTE_LOAD_POLL_MS", default_value_t = 100)]
     load_poll_ms: u64,
@@ -172,6 +176,7 @@ async fn main() -> anyhow::Result<()> {
             },
             fallbacks: args.fallbacks,
             speculative_ttl: Duration::from_millis(args.speculative_ttl_ms),
+            disagg_min_uncached_tokens: args.disagg_min_uncached_tokens,
         },
         renderer,
         pool.clone(),

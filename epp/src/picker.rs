@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvroute_proto::hashing::{local_block_hashes, namespace_seed, sequence_hashes};
-use kvroute_proto::metadata::WorkerRole;
+use kvroute_proto::metadata::{Enforcement, WorkerRole};
 use kvroute_proto::openai::{self, ApiKind};
 use kvroute_proto::prompt::PromptRenderer;
 
@@ -36,6 +36,9 @@ pub struct PickerConfig {
     /// How long a pick's blocks count as held by the chosen worker before its KV events arrive
     /// (zero disables speculation).
     pub speculative_ttl: std::time::Duration,
+    /// Conditional disaggregation: prefill on the decode worker when it would compute fewer
+    /// uncached tokens than this (0 = always use a prefill worker when there is one).
+    pub disagg_min_uncached_tokens: u64,
 }
 
 /// Where a request goes.
@@ -49,6 +52,56 @@ pub struct Decision {
     pub model: String,
     pub prompt_tokens: usize,
     pub overlap_blocks: u32,
+    /// Disaggregated serving: the worker that runs the prefill leg.
+    pub prefill: Option<PrefillTarget>,
+    /// Prefill workers exist but this request prefills on its decode worker (conditional
+    /// disaggregation: too little of it is uncached to pay for a transfer).
+    pub prefill_bypassed: bool,
+}
+
+/// Where the prefill leg of a disaggregated request goes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefillTarget {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    /// host:port of the prefill worker's OpenAI API (llm-d's `x-prefiller-host-port`).
+    pub host_port: String,
+}
+
+/// The booking id of a request's prefill leg.
+pub fn prefill_booking(request_id: &str) -> String {
+    format!("{request_id}#prefill")
+}
+
+/// Candidates and the worker each belongs to (same order).
+struct Scored {
+    cands: Vec<Candidate>,
+    owners: Vec<Arc<WorkerEntry>>,
+}
+
+/// What scoring needs from the index lookups, computed once per request.
+struct ScoreContext<'a> {
+    overlaps: Option<&'a crate::index::OverlapScores>,
+    /// Sequence hashes of the request (empty when speculation is off).
+    positions: &'a [u64],
+}
+
+/// `preferred` KV transfer topology: decode workers in the prefill worker's domain get its
+/// weight, which scales their cost by `exp(-tanh(w))`.
+fn preferred_weight_fn(prefill: &WorkerEntry) -> impl Fn(&WorkerEntry) -> f64 {
+    let md = &prefill.metadata;
+    let pref = match (md.transfer_domain_value(), md.kv_transfer_enforcement) {
+        (Some((d, v)), Enforcement::Preferred) => Some((
+            d.to_string(),
+            v.to_string(),
+            f64::from(md.kv_transfer_preferred_weight),
+        )),
+        _ => None,
+    };
+    move |w: &WorkerEntry| match &pref {
+        Some((d, v, weight)) if w.metadata.topology_domains.get(d) == Some(v) => *weight,
+        _ => 0.0,
+    }
 }
 
 /// A request the EPP answers itself.
@@ -99,6 +152,8 @@ pub struct Picker {
     pub ledger: Arc<LoadLedger>,
     pub metrics: Arc<EppMetrics>,
     selector: Selector,
+    /// Decode side of disaggregated requests: no overlap credit (the KV arrives by transfer).
+    decode_selector: Selector,
     approx: ApproxPrefixIndex,
     speculative: SpeculativeIndex,
 }
@@ -121,6 +176,13 @@ impl Picker {
         metrics: Arc<EppMetrics>,
     ) -> Self {
         let selector = Selector::new(cfg.policy, cfg.cost);
+        let decode_selector = Selector::new(
+            cfg.policy,
+            CostParams {
+                overlap_score_credit: 0.0,
+                ..cfg.cost
+            },
+        );
         let approx = ApproxPrefixIndex::new(cfg.block_size, 1 << 20);
         let speculative = SpeculativeIndex::new(cfg.speculative_ttl, 1 << 20);
         Picker {
@@ -131,6 +193,7 @@ impl Picker {
             ledger,
             metrics,
             selector,
+            decode_selector,
             approx,
             speculative,
         }
@@ -310,8 +373,13 @@ impl Picker {
     }
 
     fn choose(&self, meta: &RequestMeta, u: Option<&Understood>) -> Result<Decision, Rejection> {
-        let workers = self.eligible(meta, u.map(|u| u.model.as_str()))?;
+        let decode_side = self.eligible(meta, u.map(|u| u.model.as_str()))?;
         let hashes: &[u64] = u.map(|u| u.hashes.as_slice()).unwrap_or(&[]);
+        let tokens = u.map(|u| u.tokens as u64).unwrap_or(0);
+        let shape = RequestShape {
+            isl_tokens: tokens,
+            block_size: self.cfg.block_size,
+        };
         let kv = !hashes.is_empty() && self.cfg.policy == PolicyKind::Kv;
         let overlaps = kv.then(|| self.index.find_matches(hashes));
         let positions = if kv && self.speculative.enabled() {
@@ -319,35 +387,166 @@ impl Picker {
         } else {
             Vec::new()
         };
+        let ctx = ScoreContext {
+            overlaps: overlaps.as_ref(),
+            positions: &positions,
+        };
+        let prefill_side = match u {
+            Some(_) if kv => self.prefill_workers(),
+            _ => Vec::new(),
+        };
+        if prefill_side.is_empty() {
+            return self.aggregated(meta, u, &decode_side, &ctx, &shape, false);
+        }
+
+        // Disaggregated: the prefill worker by KV overlap and prefill load (it holds no decode
+        // load), the decode worker by decode load alone (overlap credit 0), as Dynamo does.
+        let prefill = self.score(&prefill_side, &ctx, &|_| 0.0, true)?;
+        let p_idx = self.selector.rank(&prefill.cands, &shape, &[])[0];
+        let p_worker = prefill.owners[p_idx].clone();
+        let p_key = prefill.cands[p_idx].key;
+        let decode_side = self.apply_topology(&p_worker, decode_side)?;
+        let preferred = preferred_weight_fn(&p_worker);
+        let decode = self.score(&decode_side, &ctx, &preferred, false)?;
+        // Conditional disaggregation: when some decode worker already holds nearly all of the
+        // prompt, the remote prefill (and its KV transfer) costs more than prefilling locally.
+        let best_local_uncached = decode
+            .cands
+            .iter()
+            .map(|c| {
+                tokens.saturating_sub(u64::from(c.overlap_blocks) * u64::from(self.cfg.block_size))
+            })
+            .min()
+            .unwrap_or(tokens);
+        if best_local_uncached < self.cfg.disagg_min_uncached_tokens {
+            return self.aggregated(meta, u, &decode_side, &ctx, &shape, true);
+        }
+        let order = self.decode_selector.rank(&decode.cands, &shape, &[]);
+        let d_idx = order[0];
+        let chosen = &decode.cands[d_idx];
+        let destinations = self.destinations(&order, &decode.owners);
+        let p_overlap = prefill.cands[p_idx].overlap_blocks;
+        let cached = (u64::from(p_overlap) * u64::from(self.cfg.block_size)).min(tokens);
+        self.ledger.book(
+            &prefill_booking(&meta.request_id),
+            p_key,
+            tokens - cached,
+            0,
+        );
+        self.ledger
+            .book(&meta.request_id, chosen.key, 0, shape.request_blocks());
+        if !positions.is_empty() {
+            // Both hold the prompt's KV once the transfer is done.
+            self.speculative.record(&positions, p_key);
+            self.speculative.record(&positions, chosen.key);
+        }
+        Ok(Decision {
+            destinations,
+            worker_id: chosen.key.0,
+            dp_rank: chosen.key.1,
+            model: u.map(|u| u.model.clone()).unwrap_or_default(),
+            prompt_tokens: tokens as usize,
+            overlap_blocks: p_overlap,
+            prefill: Some(PrefillTarget {
+                worker_id: p_key.0,
+                dp_rank: p_key.1,
+                host_port: p_worker.destination.clone(),
+            }),
+            prefill_bypassed: false,
+        })
+    }
+
+    /// One worker serves the whole request.
+    fn aggregated(
+        &self,
+        meta: &RequestMeta,
+        u: Option<&Understood>,
+        workers: &[Arc<WorkerEntry>],
+        ctx: &ScoreContext<'_>,
+        shape: &RequestShape,
+        prefill_bypassed: bool,
+    ) -> Result<Decision, Rejection> {
+        let scored = self.score(workers, ctx, &|_| 0.0, false)?;
+        let approx_hashes = u
+            .and_then(|u| u.approx_text.as_deref())
+            .map(|t| self.approx.block_hashes(t))
+            .unwrap_or_default();
+        let approx_scores = if approx_hashes.is_empty() {
+            Vec::new()
+        } else {
+            let keys: Vec<WorkerKey> = scored.cands.iter().map(|c| c.key).collect();
+            self.approx.scores(&approx_hashes, &keys)
+        };
+        let order = self.selector.rank(&scored.cands, shape, &approx_scores);
+        let chosen = &scored.cands[order[0]];
+        let destinations = self.destinations(&order, &scored.owners);
+        let bs = u64::from(self.cfg.block_size);
+        let cached = (u64::from(chosen.overlap_blocks) * bs).min(shape.isl_tokens);
+        self.ledger.book(
+            &meta.request_id,
+            chosen.key,
+            shape.isl_tokens - cached,
+            shape.request_blocks(),
+        );
+        if !approx_hashes.is_empty() {
+            self.approx.record(&approx_hashes, chosen.key);
+        }
+        if !ctx.positions.is_empty() {
+            self.speculative.record(ctx.positions, chosen.key);
+        }
+        Ok(Decision {
+            destinations,
+            worker_id: chosen.key.0,
+            dp_rank: chosen.key.1,
+            model: u.map(|u| u.model.clone()).unwrap_or_default(),
+            prompt_tokens: shape.isl_tokens as usize,
+            overlap_blocks: chosen.overlap_blocks,
+            prefill: None,
+            prefill_bypassed,
+        })
+    }
+
+    /// Candidates (one per dp rank) of `workers` that are not busy, with overlaps and loads.
+    fn score(
+        &self,
+        workers: &[Arc<WorkerEntry>],
+        ctx: &ScoreContext<'_>,
+        preferred: &dyn Fn(&WorkerEntry) -> f64,
+        prefill_only: bool,
+    ) -> Result<Scored, Rejection> {
         let mut cands = Vec::new();
         let mut owners = Vec::new();
         let mut busy = 0usize;
-        for w in &workers {
+        for w in workers {
             for rank in 0..w.metadata.dp_size {
                 let key: WorkerKey = (w.id(), rank);
-                let load = self.ledger.view(key);
+                let mut load = self.ledger.view(key);
                 if self.cfg.busy.is_busy(&load) {
                     busy += 1;
                     continue;
                 }
-                let overlap_blocks = overlaps
-                    .as_ref()
+                if prefill_only {
+                    // A prefill worker's blocks leave with the transfer: only its prefill queue counts.
+                    load.active_decode_blocks = 0;
+                }
+                let overlap_blocks = ctx
+                    .overlaps
                     .map(|o| crate::index::overlap_of(o, key))
                     .unwrap_or(0);
                 cands.push(Candidate {
                     key,
                     overlap_blocks,
                     load,
-                    preferred_weight: 0.0,
+                    preferred_weight: preferred(w),
                 });
                 owners.push(w.clone());
             }
         }
-        if !positions.is_empty() {
+        if !ctx.positions.is_empty() {
             let keys: Vec<WorkerKey> = cands.iter().map(|c| c.key).collect();
             for (c, spec) in cands
                 .iter_mut()
-                .zip(self.speculative.overlaps(&positions, &keys))
+                .zip(self.speculative.overlaps(ctx.positions, &keys))
             {
                 c.overlap_blocks = c.overlap_blocks.max(spec);
             }
@@ -361,58 +560,60 @@ impl Picker {
                 ),
             ));
         }
-        let tokens = u.map(|u| u.tokens as u64).unwrap_or(0);
-        let shape = RequestShape {
-            isl_tokens: tokens,
-            block_size: self.cfg.block_size,
-        };
-        let approx_hashes = u
-            .and_then(|u| u.approx_text.as_deref())
-            .map(|t| self.approx.block_hashes(t))
-            .unwrap_or_default();
-        let approx_scores = if approx_hashes.is_empty() {
-            Vec::new()
-        } else {
-            let keys: Vec<WorkerKey> = cands.iter().map(|c| c.key).collect();
-            self.approx.scores(&approx_hashes, &keys)
-        };
-        let order = self.selector.rank(&cands, &shape, &approx_scores);
-        let first = *order
-            .first()
-            .ok_or_else(|| Rejection::new(503, "ServiceUnavailable", "no candidate"))?;
-        let chosen = &cands[first];
-        let mut destinations: Vec<String> = Vec::new();
-        for &i in &order {
+        Ok(Scored { cands, owners })
+    }
+
+    /// Distinct endpoints in preference order: the pick, then up to `fallbacks` more.
+    fn destinations(&self, order: &[usize], owners: &[Arc<WorkerEntry>]) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for &i in order {
             let d = &owners[i].destination;
-            if !destinations.contains(d) {
-                destinations.push(d.clone());
+            if !out.contains(d) {
+                out.push(d.clone());
             }
-            if destinations.len() > self.cfg.fallbacks {
+            if out.len() > self.cfg.fallbacks {
                 break;
             }
         }
-        let bs = u64::from(self.cfg.block_size);
-        let cached = (u64::from(chosen.overlap_blocks) * bs).min(tokens);
-        self.ledger.book(
-            &meta.request_id,
-            chosen.key,
-            tokens - cached,
-            shape.request_blocks(),
-        );
-        if !approx_hashes.is_empty() {
-            self.approx.record(&approx_hashes, chosen.key);
+        out
+    }
+
+    fn prefill_workers(&self) -> Vec<Arc<WorkerEntry>> {
+        self.pool
+            .snapshot()
+            .iter()
+            .filter(|w| w.ready() && w.role() == WorkerRole::Prefill && w.serves(&self.cfg.model))
+            .cloned()
+            .collect()
+    }
+
+    /// `required` KV transfer topology: only decode workers in the prefill worker's domain.
+    fn apply_topology(
+        &self,
+        prefill: &WorkerEntry,
+        decode: Vec<Arc<WorkerEntry>>,
+    ) -> Result<Vec<Arc<WorkerEntry>>, Rejection> {
+        let Some((domain, value)) = prefill.metadata.transfer_domain_value() else {
+            return Ok(decode);
+        };
+        if prefill.metadata.kv_transfer_enforcement != Enforcement::Required {
+            return Ok(decode);
         }
-        if !positions.is_empty() {
-            self.speculative.record(&positions, chosen.key);
+        let kept: Vec<Arc<WorkerEntry>> = decode
+            .into_iter()
+            .filter(|w| w.metadata.topology_domains.get(domain).map(String::as_str) == Some(value))
+            .collect();
+        if kept.is_empty() {
+            return Err(Rejection::new(
+                503,
+                "ServiceUnavailable",
+                format!(
+                    "no ready decode worker in KV transfer domain {domain}={value} (required by prefill worker {})",
+                    prefill.name
+                ),
+            ));
         }
-        Ok(Decision {
-            destinations,
-            worker_id: chosen.key.0,
-            dp_rank: chosen.key.1,
-            model: u.map(|u| u.model.clone()).unwrap_or_default(),
-            prompt_tokens: tokens as usize,
-            overlap_blocks: chosen.overlap_blocks,
-        })
+        Ok(kept)
     }
 
     /// Forgets a departed worker in the policies' own state.

@@ -24,7 +24,7 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::picker::{Decision, Picker, Rejection, RequestMeta};
+use crate::picker::{prefill_booking, Decision, Picker, Rejection, RequestMeta};
 use responses::*;
 
 /// `ProcessingMode.BodySendMode` values (envoy-ext-proc.md §4).
@@ -207,6 +207,10 @@ impl StreamHandler {
                 if !self.saw_response_body {
                     self.saw_response_body = true;
                     self.picker.ledger.mark_prefill_done(&self.meta.request_id);
+                    // The prefill leg is over once the decode side answers.
+                    self.picker
+                        .ledger
+                        .release(&prefill_booking(&self.meta.request_id));
                 }
                 let eos = b.end_of_stream;
                 let reply = if self.response_body_mode == BODY_FULL_DUPLEX {
@@ -335,8 +339,23 @@ impl StreamHandler {
             set_header(DESTINATION_HEADER, &destination),
             set_header(hints::WORKER_INSTANCE_ID, &d.worker_id.to_string()),
             set_header(hints::DP_RANK, &d.dp_rank.to_string()),
-            set_header(hints::ROUTING_MODE, "aggregated"),
+            set_header(
+                hints::ROUTING_MODE,
+                if d.prefill.is_some() {
+                    "disaggregated"
+                } else {
+                    "aggregated"
+                },
+            ),
         ];
+        if let Some(p) = &d.prefill {
+            set.push(set_header(
+                hints::PREFILL_INSTANCE_ID,
+                &p.worker_id.to_string(),
+            ));
+            set.push(set_header(hints::PREFILL_DP_RANK, &p.dp_rank.to_string()));
+            set.push(set_header(hints::PREFILLER_HOST_PORT, &p.host_port));
+        }
         if let Some(len) = content_length {
             set.push(set_header("content-length", &len.to_string()));
         }
@@ -397,6 +416,9 @@ impl StreamHandler {
     fn release(&mut self) {
         if let Some(model) = self.booked_model.take() {
             self.picker.ledger.release(&self.meta.request_id);
+            self.picker
+                .ledger
+                .release(&prefill_booking(&self.meta.request_id));
             self.picker
                 .metrics
                 .running_requests
