@@ -422,7 +422,7 @@ fn unicode_tables_match_oniguruma() {
 #[test]
 fn generated_corpus_matches_hf() {
     let f = fixture();
-    let mut rng = StdRng::seed_from_u64(0x6b76_726f_7574_65);
+    let mut rng = StdRng::seed_from_u64(0x006b_7672_6f75_7465);
     let cases = 20_000;
     for _ in 0..cases {
         let text = random_text(&mut rng, 12);
@@ -465,7 +465,7 @@ fn every_code_point_in_context() {
         };
         text.push_str(&snippet);
         count += 1;
-        if count % 64 == 0 {
+        if count.is_multiple_of(64) {
             assert_same(&f.hf, &f.fast, &text);
             text.clear();
         }
@@ -539,6 +539,43 @@ fn chat_conversations_with_prefix_reuse_match_hf() {
     let stats = reuse.stats();
     assert!(stats.hits > turns as u64 / 2, "reuse rarely hit: {stats:?}");
     assert!(stats.reused_tokens > stats.encoded_tokens, "{stats:?}");
+}
+
+/// A long conversation (deeper than the reuse rope's flattening depth) where every turn also
+/// branches from three turns back with a different user message: continuations link to older
+/// remembered texts, not just the latest one.
+#[test]
+fn deep_and_branching_conversations_with_prefix_reuse_match_hf() {
+    let f = fixture();
+    let fast = FastTokenizer::from_json_str(&f.json).unwrap().unwrap();
+    let reuse = PrefixReuseEncoder::new(fast, 16);
+    let mut rng = StdRng::seed_from_u64(19);
+    let mut messages = vec![serde_json::json!({"role": "system", "content": "Be brief."})];
+    let mut history: Vec<Vec<serde_json::Value>> = Vec::new();
+    for turn in 0..70 {
+        messages.push(serde_json::json!({"role": "user", "content": random_text(&mut rng, 8)}));
+        let prompt = render_chat(&f.chat_template, &messages);
+        assert_eq!(
+            reuse.encode(&prompt, false).unwrap(),
+            hf_ids(&f.hf, &prompt, false),
+            "turn {turn}"
+        );
+        if let Some(old) = history.len().checked_sub(3).map(|i| history[i].clone()) {
+            let mut branch = old;
+            branch.push(serde_json::json!({"role": "user", "content": random_text(&mut rng, 8)}));
+            let prompt = render_chat(&f.chat_template, &branch);
+            assert_eq!(
+                reuse.encode(&prompt, false).unwrap(),
+                hf_ids(&f.hf, &prompt, false),
+                "branch {turn}"
+            );
+        }
+        messages
+            .push(serde_json::json!({"role": "assistant", "content": random_text(&mut rng, 8)}));
+        history.push(messages.clone());
+    }
+    let stats = reuse.stats();
+    assert!(stats.hits > 100 && stats.evictions > 0, "{stats:?}");
 }
 
 /// Adversarial reuse: a remembered text is cut at a random byte (inside whitespace runs, words,

@@ -33,7 +33,7 @@ impl AddedTokens {
             bucket.push((bytes.into(), *id));
         }
         for b in &mut buckets {
-            b.sort_by(|x, y| y.0.len().cmp(&x.0.len()));
+            b.sort_by_key(|t| std::cmp::Reverse(t.0.len()));
         }
         AddedTokens {
             buckets,

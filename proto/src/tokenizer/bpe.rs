@@ -18,6 +18,9 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 /// No merge for this pair.
 const NO_MERGE: u64 = u64::MAX;
+
+/// One merge rule: ((left id, right id), (rank, merged id)).
+pub(crate) type MergeRule = ((u32, u32), (u32, u32));
 /// Pieces up to this many bytes use the quadratic merge loop.
 const SMALL_PIECE: usize = 48;
 
@@ -79,7 +82,7 @@ struct MergeTable {
 }
 
 impl MergeTable {
-    fn new(pairs: &[((u32, u32), (u32, u32))]) -> Self {
+    fn new(pairs: &[MergeRule]) -> Self {
         let cap = (pairs.len() * 2).next_power_of_two().max(16);
         let mut t = MergeTable {
             slots: vec![(u64::MAX, NO_MERGE); cap],
@@ -146,7 +149,7 @@ impl Bpe {
     /// `merges`: ((left id, right id), (rank, merged id)) in file order.
     pub(crate) fn new(
         byte_ids: [u32; 256],
-        merges: &[((u32, u32), (u32, u32))],
+        merges: &[MergeRule],
         vocab: HashMap<Box<[u8]>, u32, FxBuild>,
         vocab_len: usize,
         ignore_merges: bool,

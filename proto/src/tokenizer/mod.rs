@@ -98,6 +98,11 @@ impl CheckpointRecorder {
         }
     }
 
+    /// Records nothing before `byte` (the caller seeded `points` up to there).
+    pub(crate) fn skip_until(&mut self, byte: usize) {
+        self.next_at = byte;
+    }
+
     #[inline]
     fn record(&mut self, byte: usize, ids: usize) {
         if byte >= self.next_at {
@@ -498,7 +503,7 @@ impl FastTokenizer {
                 if b < sb.len()
                     && at + 3 <= all.len()
                     && all[at..at + 3].is_ascii()
-                    && !(self.classes.class(last_char(&sb[..b])) & pretokenize::CLASS_WS != 0)
+                    && self.classes.class(last_char(&sb[..b])) & pretokenize::CLASS_WS == 0
                 {
                     r.record(byte_base + at, out.len());
                 }
@@ -514,10 +519,17 @@ fn last_char(s: &[u8]) -> u32 {
     while i > 0 && s[i] & 0xC0 == 0x80 {
         i -= 1;
     }
-    std::str::from_utf8(&s[i..])
-        .ok()
-        .and_then(|t| t.chars().next())
-        .map_or(0, u32::from)
+    let lead = u32::from(s[i]);
+    let (mut cp, n) = match lead {
+        0..=0x7F => (lead, 1),
+        0xC0..=0xDF => (lead & 0x1F, 2),
+        0xE0..=0xEF => (lead & 0x0F, 3),
+        _ => (lead & 0x07, 4),
+    };
+    for &b in &s[i + 1..(i + n).min(s.len())] {
+        cp = (cp << 6) | (u32::from(b) & 0x3F);
+    }
+    cp
 }
 
 /// (before, after) ids of a supported post-processor.

@@ -35,23 +35,25 @@
 //!
 //! # Cache
 //!
-//! Each remembered text is indexed by a chained xxh3 hash of every 256-byte prefix (`G`); for each
-//! such grid point `g` it keeps the last safe boundary `b` with `b + M <= g`. A new text hashes
-//! its own prefixes, finds the longest `g` some remembered text shares (confirmed byte for
-//! byte), and resumes at that text's boundary for `g`. Entries are evicted least recently used.
+//! Each remembered text keeps its ids and its safe boundaries (at most one per 32 bytes), and is
+//! indexed by a chained hash of every 256-byte prefix. A new text hashes its own prefixes, finds
+//! the longest one some remembered text shares, extends that to the exact common prefix length
+//! `L` byte by byte (which also rules out hash collisions), and resumes at the remembered text's
+//! last boundary `b` with `b + M <= L`. Entries are evicted least recently used.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::xxh3_64;
 
+use super::bpe::FxBuild;
 use super::{Checkpoint, CheckpointRecorder, FastTokenizer, TokenEncoder, TokenizerError};
 
 /// Bytes between grid points.
 const GRID: usize = 256;
 /// At most one recorded boundary per this many bytes.
-const RECORD_GAP: usize = 48;
+const RECORD_GAP: usize = 32;
 const HASH_SEED: u64 = 0x6b76_726f_7574_6521;
 
 /// Counters since creation.
@@ -71,21 +73,126 @@ pub struct ReuseStats {
     pub evictions: u64,
 }
 
+/// A remembered text, stored as a delta on the text it continued (a rope), so a conversation's
+/// turns share their common prefix instead of each holding a full copy: remembering a
+/// follow-up costs memory and copying proportional to the new text only.
 struct Entry {
-    text: Box<str>,
-    /// Raw ids (no post-processor specials).
+    /// The remembered text this one continues; this entry keeps its first `start_byte` bytes,
+    /// `start_ids` ids and `start_points` boundaries.
+    base: Option<Arc<Entry>>,
+    start_byte: usize,
+    start_ids: usize,
+    start_points: usize,
+    /// Own parts: bytes from `start_byte`, the ids after `start_ids` (raw, no post-processor
+    /// specials), safe boundaries after those kept (absolute offsets, increasing).
+    text: Box<[u8]>,
     ids: Vec<u32>,
-    /// `grid[k]`: last safe boundary `b` with `b + margin <= (k + 1) * GRID`, if any.
-    grid: Vec<Option<Checkpoint>>,
-    /// `hashes[k]`: chained hash of `text[..(k + 1) * GRID]`.
+    points: Vec<Checkpoint>,
+    /// `hashes[k]`: chained hash of the whole text's first `(k + 1) * GRID` bytes.
     hashes: Vec<u64>,
+    /// Length of the `base` chain.
+    depth: usize,
+}
+
+/// One link of a rope, with how much of its own parts belongs to the text being read.
+struct Segment<'a> {
+    entry: &'a Arc<Entry>,
+    bytes: usize,
+    ids: usize,
+    points: usize,
+}
+
+/// Chains longer than this are flattened into one entry (bounds lookup cost).
+const MAX_DEPTH: usize = 24;
+
+/// The rope from the root text to `leaf`.
+fn segments(leaf: &Arc<Entry>) -> Vec<Segment<'_>> {
+    let mut chain = vec![Segment {
+        entry: leaf,
+        bytes: leaf.text.len(),
+        ids: leaf.ids.len(),
+        points: leaf.points.len(),
+    }];
+    let mut cur = leaf;
+    while let Some(base) = cur.base.as_ref() {
+        chain.push(Segment {
+            entry: base,
+            bytes: cur.start_byte - base.start_byte,
+            ids: cur.start_ids - base.start_ids,
+            points: cur.start_points - base.start_points,
+        });
+        cur = base;
+    }
+    chain.reverse();
+    chain
+}
+
+/// Length of the common prefix of a rope and `new`.
+fn rope_common_prefix(segs: &[Segment<'_>], new: &[u8]) -> usize {
+    let mut at = 0;
+    for s in segs {
+        let own = &s.entry.text[..s.bytes];
+        let rest = &new[at.min(new.len())..];
+        let c = common_prefix(own, rest);
+        at += c;
+        if c < own.len() {
+            break;
+        }
+    }
+    at
+}
+
+/// The last boundary `b` of a rope with `b.byte + margin <= limit` and `b.byte > 0`: the
+/// boundary, the number of boundaries up to and including it, and the entry that owns it (the
+/// base a continuation from `b` links to).
+fn rope_last_point<'a>(
+    segs: &[Segment<'a>],
+    limit: usize,
+    margin: usize,
+) -> Option<(Checkpoint, usize, &'a Arc<Entry>)> {
+    for s in segs.iter().rev() {
+        let pts = &s.entry.points[..s.points];
+        let idx = pts.partition_point(|p| p.byte + margin <= limit);
+        if idx > 0 {
+            let cp = pts[idx - 1];
+            return (cp.byte > 0).then_some((cp, s.entry.start_points + idx, s.entry));
+        }
+    }
+    None
+}
+
+/// Appends the rope's first `n` ids to `out`.
+fn rope_ids(segs: &[Segment<'_>], mut n: usize, out: &mut Vec<u32>) {
+    for s in segs {
+        let take = n.min(s.ids);
+        out.extend_from_slice(&s.entry.ids[..take]);
+        n -= take;
+        if n == 0 {
+            break;
+        }
+    }
+}
+
+/// Appends the rope's first `n` boundaries to `out`.
+fn rope_points(segs: &[Segment<'_>], mut n: usize, out: &mut Vec<Checkpoint>) {
+    for s in segs {
+        let take = n.min(s.points);
+        out.extend_from_slice(&s.entry.points[..take]);
+        n -= take;
+        if n == 0 {
+            break;
+        }
+    }
 }
 
 #[derive(Default)]
 struct Cache {
-    entries: HashMap<u64, (Arc<Entry>, u64)>,
+    /// Entry id -> (entry, last use tick).
+    entries: HashMap<u64, (Arc<Entry>, u64), FxBuild>,
+    /// Last use tick -> entry id, oldest first.
+    lru: BTreeMap<u64, u64>,
     /// Prefix hash -> entry id (the latest text that has that prefix).
-    index: HashMap<u64, u64>,
+    index: HashMap<u64, u64, FxBuild>,
     tick: u64,
     next_id: u64,
 }
@@ -114,13 +221,42 @@ impl std::fmt::Debug for PrefixReuseEncoder {
 
 /// Chained hashes of every full `GRID`-byte prefix of `text`.
 fn prefix_hashes(text: &[u8]) -> Vec<u64> {
+    // Unseeded xxh3 per chunk, chained with a multiply-rotate step: a seeded xxh3 call on
+    // more than 240 bytes derives a fresh secret each time, which costs more than the hash.
     let mut h = HASH_SEED;
     text.chunks_exact(GRID)
         .map(|c| {
-            h = xxh3_64_with_seed(c, h);
+            h = (h.rotate_left(23) ^ xxh3_64(c)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
             h
         })
         .collect()
+}
+
+/// Length of the common prefix of two byte strings: whole 1 KiB blocks by `memcmp`, then
+/// 8-byte words, then bytes (a per-16-byte slice comparison would call `memcmp` thousands of
+/// times for an 8K-token prompt).
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    const BLOCK: usize = 1024;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + BLOCK <= n && a[i..i + BLOCK] == b[i..i + BLOCK] {
+        i += BLOCK;
+    }
+    while i + 8 <= n {
+        let mut x = [0u8; 8];
+        let mut y = [0u8; 8];
+        x.copy_from_slice(&a[i..i + 8]);
+        y.copy_from_slice(&b[i..i + 8]);
+        let diff = u64::from_le_bytes(x) ^ u64::from_le_bytes(y);
+        if diff != 0 {
+            return i + (diff.trailing_zeros() / 8) as usize;
+        }
+        i += 8;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
 }
 
 impl PrefixReuseEncoder {
@@ -210,72 +346,97 @@ impl PrefixReuseEncoder {
             }
             cache.tick += 1;
             let tick = cache.tick;
-            best.and_then(|(id, k)| {
+            let hit = best.and_then(|(id, k)| {
                 cache.entries.get_mut(&id).map(|(e, used)| {
-                    *used = tick;
-                    (Arc::clone(e), k)
+                    let old = std::mem::replace(used, tick);
+                    (Arc::clone(e), k, old, id)
                 })
+            });
+            hit.map(|(e, k, old, id)| {
+                cache.lru.remove(&old);
+                cache.lru.insert(tick, id);
+                (e, k)
             })
         };
-        // Resume point: the entry's boundary for the shared grid point, if the bytes agree.
-        let resume = found.and_then(|(e, k)| {
-            let g = (k + 1) * GRID;
-            let same = e.text.len() >= g && e.text.as_bytes()[..g] == text.as_bytes()[..g];
-            let cp = e.grid.get(k).copied().flatten();
-            match (same, cp) {
-                (true, Some(cp)) => Some((e, k, cp)),
-                _ => None,
-            }
+        // Resume point: the exact common prefix with the remembered text (this comparison
+        // also rules out a hash collision), then its last boundary at least `margin` before.
+        let resume = found.and_then(|(e, _)| {
+            let segs = segments(&e);
+            let common = rope_common_prefix(&segs, text.as_bytes());
+            let (cp, kept_points, owner) = rope_last_point(&segs, common, margin)?;
+            let owner = Arc::clone(owner);
+            let mut ids = Vec::with_capacity(cp.ids + (text.len() - cp.byte) / 3 + 8);
+            rope_ids(&segs, cp.ids, &mut ids);
+            // Too deep a rope: the new entry becomes a flat copy instead.
+            let flat_points = (owner.depth + 1 >= MAX_DEPTH).then(|| {
+                let mut pts = Vec::with_capacity(kept_points + 64);
+                rope_points(&segs, kept_points, &mut pts);
+                pts
+            });
+            drop(segs);
+            Some((owner, cp, kept_points, ids, flat_points))
         });
 
         let mut rec = CheckpointRecorder::new(RECORD_GAP);
-        let (ids, carried) = match &resume {
-            Some((e, k, cp)) => {
-                let mut ids = Vec::with_capacity(cp.ids + (text.len() - cp.byte) / 3 + 8);
-                ids.extend_from_slice(&e.ids[..cp.ids]);
-                rec.points.push(*cp);
+        let entry = match resume {
+            Some((e, cp, kept_points, mut ids, flat_points)) => {
+                rec.skip_until(cp.byte + RECORD_GAP);
                 fast.encode_raw_into(&text[cp.byte..], &mut ids, cp.byte, Some(&mut rec));
                 self.hits.fetch_add(1, Ordering::Relaxed);
                 self.reused.fetch_add(cp.ids as u64, Ordering::Relaxed);
                 self.encoded
                     .fetch_add((ids.len() - cp.ids) as u64, Ordering::Relaxed);
-                (ids, &e.grid[..=*k])
+                let entry = match flat_points {
+                    Some(mut points) => {
+                        points.extend_from_slice(&rec.points);
+                        Entry {
+                            base: None,
+                            start_byte: 0,
+                            start_ids: 0,
+                            start_points: 0,
+                            text: text.as_bytes().into(),
+                            ids: ids.clone(),
+                            points,
+                            hashes,
+                            depth: 0,
+                        }
+                    }
+                    None => Entry {
+                        depth: e.depth + 1,
+                        base: Some(e),
+                        start_byte: cp.byte,
+                        start_ids: cp.ids,
+                        start_points: kept_points,
+                        text: text.as_bytes()[cp.byte..].into(),
+                        ids: ids[cp.ids..].to_vec(),
+                        points: rec.points,
+                        hashes,
+                    },
+                };
+                (entry, ids)
             }
             None => {
                 let mut ids = Vec::with_capacity(text.len() / 3 + 8);
                 rec.points.push(Checkpoint { byte: 0, ids: 0 });
+                rec.skip_until(RECORD_GAP);
                 fast.encode_raw_into(text, &mut ids, 0, Some(&mut rec));
                 self.encoded.fetch_add(ids.len() as u64, Ordering::Relaxed);
-                (ids, &[][..])
+                let entry = Entry {
+                    base: None,
+                    start_byte: 0,
+                    start_ids: 0,
+                    start_points: 0,
+                    text: text.as_bytes().into(),
+                    ids: ids.clone(),
+                    points: rec.points,
+                    hashes,
+                    depth: 0,
+                };
+                (entry, ids)
             }
         };
-
-        // Grid for the new text: the carried points (its prefix is the old text's), then the
-        // last recorded boundary at least `margin` before each later grid point.
-        let mut grid = Vec::with_capacity(hashes.len());
-        grid.extend_from_slice(carried);
-        let mut p = 0;
-        let mut last: Option<Checkpoint> = carried.last().copied().flatten();
-        for k in carried.len()..hashes.len() {
-            let g = (k + 1) * GRID;
-            while p < rec.points.len() && rec.points[p].byte + margin <= g {
-                let cp = rec.points[p];
-                // Text start (byte 0) has nothing to reuse.
-                if cp.byte > 0 {
-                    last = Some(cp);
-                }
-                p += 1;
-            }
-            grid.push(last);
-        }
-
-        let entry = Arc::new(Entry {
-            text: text.into(),
-            ids: ids.clone(),
-            grid,
-            hashes,
-        });
-        self.insert(entry);
+        let (entry, ids) = entry;
+        self.insert(Arc::new(entry));
         ids
     }
 
@@ -289,13 +450,9 @@ impl PrefixReuseEncoder {
             cache.index.insert(*h, id);
         }
         cache.entries.insert(id, (entry, tick));
+        cache.lru.insert(tick, id);
         while cache.entries.len() > self.capacity {
-            let Some(oldest) = cache
-                .entries
-                .iter()
-                .min_by_key(|(_, (_, used))| *used)
-                .map(|(id, _)| *id)
-            else {
+            let Some((_, oldest)) = cache.lru.pop_first() else {
                 break;
             };
             if let Some((old, _)) = cache.entries.remove(&oldest) {
