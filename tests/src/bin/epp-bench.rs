@@ -15,24 +15,18 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Parser;
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    processing_request, processing_response, HttpBody, HttpHeaders, ProcessingRequest,
-    ProtocolConfiguration,
-};
+use envoy_types::pb::envoy::service::ext_proc::v3::{body_mutation, processing_response};
 use kvroute_proto::openai::{parse_request, ApiKind};
 use kvroute_proto::prompt::PromptRenderer;
 use kvroute_tests::harness::client::{self, new_client};
 use kvroute_tests::harness::conversation::{text, Conversation};
 use kvroute_tests::harness::envoy::{self, BodyMode, EnvoyConfig};
-use kvroute_tests::harness::process::ChildProcess;
-use kvroute_tests::harness::stack::{start_worker, StackOptions};
+use kvroute_tests::harness::extproc::{self, Stream, FULL_DUPLEX_STREAMED};
+use kvroute_tests::harness::stack::{start_worker, EppProcess, StackOptions};
 use kvroute_tests::harness::stats::{cdf_svg, ms, percentile, Series};
-use kvroute_tests::harness::{envoy_bin, free_port, model_dir, workspace_bin};
+use kvroute_tests::harness::{envoy_bin, free_port, model_dir};
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 
 #[derive(Parser, Debug)]
 #[command(name = "epp-bench", about = "EPP pick latency and gateway overhead")]
@@ -57,134 +51,29 @@ struct Args {
 const MODEL: &str = "Qwen/Qwen3-0.6B";
 const CHUNK: usize = 62_000;
 
-struct Epp {
-    _process: ChildProcess,
-    grpc: ExternalProcessorClient<tonic::transport::Channel>,
-    grpc_port: u16,
-    metrics_port: u16,
-}
-
-async fn start_epp(
-    workers: &[(String, String, String)],
-    extra: &[String],
-    log_dir: &std::path::Path,
-) -> anyhow::Result<Epp> {
-    let (grpc_port, health_port, metrics_port) = (free_port()?, free_port()?, free_port()?);
-    let mut args = vec![
-        "--grpc-addr".to_string(),
-        format!("127.0.0.1:{grpc_port}"),
-        "--health-addr".into(),
-        format!("127.0.0.1:{health_port}"),
-        "--metrics-addr".into(),
-        format!("127.0.0.1:{metrics_port}"),
-        "--model-dir".into(),
-        model_dir()?.display().to_string(),
-    ];
-    for (name, grpc, http) in workers {
-        args.push("--worker".into());
-        args.push(format!("name={name},grpc={grpc},http={http}"));
-    }
-    args.extend(extra.iter().cloned());
-    let mut process = ChildProcess::spawn(
-        &format!("epp-{grpc_port}"),
-        &workspace_bin("kvroute-epp")?,
-        &args,
-        log_dir,
-    )?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let url = format!("http://127.0.0.1:{metrics_port}/metrics");
-        if let Ok((200, _, body)) = client::get(&url).await {
-            let v = kvroute_tests::harness::stack::metric_value(
-                &String::from_utf8_lossy(&body),
-                "inference_pool_ready_pods",
-            );
-            if v == Some(workers.len() as f64) {
-                break;
-            }
-        }
-        anyhow::ensure!(!process.exited(), "EPP exited:\n{}", process.log_tail(30));
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "EPP not ready:\n{}",
-            process.log_tail(30)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{grpc_port}"))?
-        .tcp_nodelay(true)
-        .connect()
-        .await?;
-    Ok(Epp {
-        _process: process,
-        grpc: ExternalProcessorClient::new(channel)
-            .max_decoding_message_size(64 << 20)
-            .max_encoding_message_size(64 << 20),
-        grpc_port,
-        metrics_port,
-    })
-}
-
-fn header(k: &str, v: &str) -> HeaderValue {
-    HeaderValue {
-        key: k.into(),
-        value: String::new(),
-        raw_value: v.as_bytes().to_vec(),
-    }
-}
-
 /// One request through ext_proc as Envoy sends it; returns the time from end-of-stream to the
 /// routing decision, and the chosen endpoint.
-async fn pick(epp: &mut Epp, request_id: &str, body: &[u8]) -> anyhow::Result<(Duration, String)> {
-    let (tx, rx) = mpsc::channel(64);
-    let mut stream = epp
-        .grpc
-        .process(ReceiverStream::new(rx))
-        .await?
-        .into_inner();
-    tx.send(ProcessingRequest {
-        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: vec![
-                    header(":method", "POST"),
-                    header(":path", "/v1/chat/completions"),
-                    header("content-type", "application/json"),
-                    header("x-request-id", request_id),
-                ],
-            }),
-            end_of_stream: false,
-            ..Default::default()
-        })),
-        protocol_config: Some(ProtocolConfiguration {
-            request_body_mode: 4,
-            response_body_mode: 4,
-            ..Default::default()
-        }),
-        ..Default::default()
-    })
-    .await?;
-    for chunk in body.chunks(CHUNK) {
-        tx.send(ProcessingRequest {
-            request: Some(processing_request::Request::RequestBody(HttpBody {
-                body: chunk.to_vec(),
-                end_of_stream: false,
-                ..Default::default()
-            })),
-            ..Default::default()
-        })
+async fn pick(
+    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+    request_id: &str,
+    body: &[u8],
+) -> anyhow::Result<(Duration, String)> {
+    let mut stream = Stream::open(client).await?;
+    let headers = [
+        (":method", "POST"),
+        (":path", "/v1/chat/completions"),
+        ("content-type", "application/json"),
+        ("x-request-id", request_id),
+    ];
+    stream
+        .request_headers(&headers, false, FULL_DUPLEX_STREAMED, None)
         .await?;
+    for chunk in body.chunks(CHUNK) {
+        stream.request_body(chunk, false).await?;
     }
     let started = Instant::now();
-    tx.send(ProcessingRequest {
-        request: Some(processing_request::Request::RequestBody(HttpBody {
-            body: Vec::new(),
-            end_of_stream: true,
-            ..Default::default()
-        })),
-        ..Default::default()
-    })
-    .await?;
-    let first = stream.message().await?.context("EPP closed the stream")?;
+    stream.request_body(&[], true).await?;
+    let first = stream.recv().await?.context("EPP closed the stream")?;
     let elapsed = started.elapsed();
     let endpoint = match first.response {
         Some(processing_response::Response::RequestHeaders(h)) => h
@@ -207,20 +96,18 @@ async fn pick(epp: &mut Epp, request_id: &str, body: &[u8]) -> anyhow::Result<(D
         other => anyhow::bail!("unexpected first reply {other:?}"),
     };
     // Drain the body echo, then end the stream (releases the booking).
-    while let Some(m) = stream.message().await? {
+    while let Some(m) = stream.recv().await? {
         if let Some(processing_response::Response::RequestBody(b)) = m.response {
-            let eos = b
-                .response
-                .and_then(|r| r.body_mutation)
-                .and_then(|m| m.mutation)
-                .map(|m| matches!(m, envoy_types::pb::envoy::service::ext_proc::v3::body_mutation::Mutation::StreamedResponse(s) if s.end_of_stream))
-                .unwrap_or(false);
+            let eos = matches!(
+                b.response.and_then(|r| r.body_mutation).and_then(|m| m.mutation),
+                Some(body_mutation::Mutation::StreamedResponse(s)) if s.end_of_stream
+            );
             if eos {
                 break;
             }
         }
     }
-    drop(tx);
+    drop(stream);
     Ok((elapsed, endpoint))
 }
 
@@ -254,11 +141,9 @@ async fn main() -> anyhow::Result<()> {
     for i in 0..4 {
         workers.push(start_worker(&format!("bench-worker-{i}"), &opts, &[]).await?);
     }
-    let specs: Vec<(String, String, String)> = workers
-        .iter()
-        .map(|w| (w.name.clone(), w.grpc.clone(), w.http.clone()))
-        .collect();
-    let mut epp = start_epp(&specs, &args.epp_arg, &log_dir).await?;
+    let epp = EppProcess::for_workers(&workers.iter().collect::<Vec<_>>(), &args.epp_arg, &log_dir)
+        .await?;
+    let mut grpc = extproc::connect(epp.grpc_port).await?;
     let http = new_client();
 
     // --- 1. pick latency
@@ -277,7 +162,7 @@ async fn main() -> anyhow::Result<()> {
                 let req = parse_request(ApiKind::ChatCompletions, &body)?;
                 r.tokens = renderer.token_ids(&req)?.len();
             }
-            let (cold, endpoint) = pick(&mut epp, &format!("cold-{size}-{c}"), &body).await?;
+            let (cold, endpoint) = pick(&mut grpc, &format!("cold-{size}-{c}"), &body).await?;
             r.cold.push(cold);
             // Serve the turn so the worker's KV events reach the index, as in real traffic.
             let (status, _, reply) = client::request(
@@ -297,7 +182,7 @@ async fn main() -> anyhow::Result<()> {
                 60,
             );
             let body = serde_json::to_vec(&conv.request(MODEL, 1, false))?;
-            let (follow, _) = pick(&mut epp, &format!("follow-{size}-{c}"), &body).await?;
+            let (follow, _) = pick(&mut grpc, &format!("follow-{size}-{c}"), &body).await?;
             r.follow.push(follow);
             if (c + 1) % 10 == 0 {
                 eprintln!(
@@ -326,12 +211,7 @@ async fn main() -> anyhow::Result<()> {
         args.gateway_requests
     );
     let target = &workers[0];
-    let one = vec![(
-        target.name.clone(),
-        target.grpc.clone(),
-        target.http.clone(),
-    )];
-    let epp_one = start_epp(&one, &args.epp_arg, &log_dir).await?;
+    let epp_one = EppProcess::for_workers(&[target], &args.epp_arg, &log_dir).await?;
     let envoy_bin = envoy_bin()?;
     let (via_port, direct_port) = (free_port()?, free_port()?);
     let base = EnvoyConfig {

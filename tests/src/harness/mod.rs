@@ -4,6 +4,7 @@
 pub mod client;
 pub mod conversation;
 pub mod envoy;
+pub mod extproc;
 pub mod process;
 pub mod stack;
 pub mod stats;

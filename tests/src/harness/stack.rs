@@ -209,53 +209,25 @@ impl Stack {
 
     /// (Re)starts the EPP and waits until it routes to every listed worker.
     pub async fn start_epp(&mut self) -> anyhow::Result<()> {
-        let args: Vec<String> = vec![
-            "--grpc-addr".into(),
-            format!("127.0.0.1:{}", self.epp_grpc_port),
-            "--health-addr".into(),
-            format!("127.0.0.1:{}", self.epp_health_port),
-            "--metrics-addr".into(),
-            format!("127.0.0.1:{}", self.epp_metrics_port),
+        let mut args = vec![
+            "--workers-file".to_string(),
+            self.workers_file.display().to_string(),
             "--model".into(),
             self.opts.model.clone(),
-            "--model-dir".into(),
-            model_dir()?.display().to_string(),
             "--block-size".into(),
             self.opts.block_size.to_string(),
-            "--workers-file".into(),
-            self.workers_file.display().to_string(),
             "--policy".into(),
             self.opts.policy.clone(),
-        ]
-        .into_iter()
-        .chain(self.opts.extra_epp_args.iter().cloned())
-        .collect();
-        let mut epp = ChildProcess::spawn(
-            "epp",
-            &workspace_bin("kvroute-epp")?,
-            &args,
-            &self.opts.log_dir,
-        )?;
-        let want = self.workers.len() as f64;
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            if let Ok(Some(n)) = self.epp_metric("inference_pool_ready_pods").await {
-                if n >= want {
-                    break;
-                }
-            }
-            if epp.exited() {
-                anyhow::bail!("EPP exited during start-up:\n{}", epp.log_tail(40));
-            }
-            if Instant::now() > deadline {
-                anyhow::bail!(
-                    "EPP not ready with {want} workers after 60 s:\n{}",
-                    epp.log_tail(40)
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        self.epp = Some(epp);
+        ];
+        args.extend(self.opts.extra_epp_args.iter().cloned());
+        let ports = (
+            self.epp_grpc_port,
+            self.epp_health_port,
+            self.epp_metrics_port,
+        );
+        let epp =
+            EppProcess::start("epp", ports, &args, &self.opts.log_dir, self.workers.len()).await?;
+        self.epp = Some(epp.process);
         Ok(())
     }
 
@@ -299,6 +271,96 @@ impl Stack {
 
     pub fn worker_by_id(&self, id: u64) -> Option<&WorkerHandle> {
         self.workers.iter().find(|w| w.instance_id == id)
+    }
+}
+
+/// A running `kvroute-epp`.
+pub struct EppProcess {
+    pub process: ChildProcess,
+    pub grpc_port: u16,
+    pub health_port: u16,
+    pub metrics_port: u16,
+}
+
+impl EppProcess {
+    /// Starts the EPP on `ports` (ext_proc, health, metrics) with `args` (discovery, policy, ...)
+    /// and waits until it reports `ready_workers` ready pods.
+    pub async fn start(
+        name: &str,
+        ports: (u16, u16, u16),
+        args: &[String],
+        log_dir: &std::path::Path,
+        ready_workers: usize,
+    ) -> anyhow::Result<EppProcess> {
+        let (grpc_port, health_port, metrics_port) = ports;
+        let mut all = vec![
+            "--grpc-addr".to_string(),
+            format!("127.0.0.1:{grpc_port}"),
+            "--health-addr".into(),
+            format!("127.0.0.1:{health_port}"),
+            "--metrics-addr".into(),
+            format!("127.0.0.1:{metrics_port}"),
+            "--model-dir".into(),
+            model_dir()?.display().to_string(),
+        ];
+        all.extend(args.iter().cloned());
+        let mut process = ChildProcess::spawn(name, &workspace_bin("kvroute-epp")?, &all, log_dir)?;
+        let url = format!("http://127.0.0.1:{metrics_port}/metrics");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok((200, _, body)) = client::get(&url).await {
+                let ready =
+                    metric_value(&String::from_utf8_lossy(&body), "inference_pool_ready_pods");
+                if ready.is_some_and(|n| n >= ready_workers as f64) {
+                    break;
+                }
+            }
+            if process.exited() {
+                anyhow::bail!("EPP exited during start-up:\n{}", process.log_tail(40));
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "EPP not ready with {ready_workers} workers after 60 s:\n{}",
+                    process.log_tail(40)
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Ok(EppProcess {
+            process,
+            grpc_port,
+            health_port,
+            metrics_port,
+        })
+    }
+
+    /// Starts an EPP on free ports that discovers `workers` from flags.
+    pub async fn for_workers(
+        workers: &[&WorkerHandle],
+        extra: &[String],
+        log_dir: &std::path::Path,
+    ) -> anyhow::Result<EppProcess> {
+        let mut args = Vec::new();
+        for w in workers {
+            args.push("--worker".to_string());
+            args.push(format!("name={},grpc={},http={}", w.name, w.grpc, w.http));
+        }
+        args.extend(extra.iter().cloned());
+        let ports = (free_port()?, free_port()?, free_port()?);
+        Self::start(
+            &format!("epp-{}", ports.0),
+            ports,
+            &args,
+            log_dir,
+            workers.len(),
+        )
+        .await
+    }
+
+    pub async fn metric(&self, name: &str) -> anyhow::Result<Option<f64>> {
+        let (_, _, body) =
+            client::get(&format!("http://127.0.0.1:{}/metrics", self.metrics_port)).await?;
+        Ok(metric_value(&String::from_utf8_lossy(&body), name))
     }
 }
 
