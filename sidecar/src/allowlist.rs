@@ -36,8 +36,11 @@ impl Entries {
                 self.exact.insert(normalize_authority(h, p));
             }
             None => {
-                self.hosts
-                    .insert(raw.trim_start_matches('[').trim_end_matches(']').to_ascii_lowercase());
+                self.hosts.insert(
+                    raw.trim_start_matches('[')
+                        .trim_end_matches(']')
+                        .to_ascii_lowercase(),
+                );
             }
         }
     }
@@ -126,8 +129,12 @@ impl Allowlist {
             let mtime = std::fs::metadata(&path).and_then(|m| m.modified()).ok();
             if mtime.is_some() && mtime != *self.file_mtime.read() {
                 match self.reload() {
-                    Ok(()) => tracing::info!(entries = self.len(), file = %path.display(), "pool allowlist reloaded"),
-                    Err(e) => tracing::warn!(error = %e, "pool file unreadable; keeping the previous allowlist"),
+                    Ok(()) => {
+                        tracing::info!(entries = self.len(), file = %path.display(), "pool allowlist reloaded")
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "pool file unreadable; keeping the previous allowlist")
+                    }
                 }
             }
         }
@@ -140,8 +147,11 @@ fn read_pool_file(path: &Path) -> Result<Vec<String>, ConfigError> {
         why,
     };
     let text = std::fs::read_to_string(path).map_err(|e| err(e.to_string()))?;
-    serde_json::from_str::<Vec<String>>(&text)
-        .map_err(|e| err(format!("expected a JSON list of \"host:port\" strings: {e}")))
+    serde_json::from_str::<Vec<String>>(&text).map_err(|e| {
+        err(format!(
+            "expected a JSON list of \"host:port\" strings: {e}"
+        ))
+    })
 }
 
 #[cfg(test)]

@@ -48,20 +48,24 @@ pub struct Args {
     pub listen: SocketAddr,
     /// A local engine: `name=<instance id or pod name>,url=http://127.0.0.1:8001[,dp_rank=N]`.
     /// Repeatable (one sidecar may front several local engines or dp ranks).
-    #[arg(long = "engine", env = "KVROUTE_SIDECAR_ENGINES", value_delimiter = ';',
-          default_value = "name=local,url=http://127.0.0.1:8000")]
+    #[arg(
+        long = "engine",
+        env = "KVROUTE_SIDECAR_ENGINES",
+        value_delimiter = ';',
+        default_value = "name=local,url=http://127.0.0.1:8000"
+    )]
     pub engines: Vec<String>,
     /// A prefill worker reachable by `x-dynamo-prefill-instance-id`:
     /// `name=<instance id or pod name>,url=http://host:port[,dp_rank=N][,bootstrap_port=N]`.
-    #[arg(long = "prefill", env = "KVROUTE_SIDECAR_PREFILLS", value_delimiter = ';')]
+    #[arg(
+        long = "prefill",
+        env = "KVROUTE_SIDECAR_PREFILLS",
+        value_delimiter = ';'
+    )]
     pub prefills: Vec<String>,
     /// The SSRF allowlist: `host:port` (or bare `host`, any port) of the pool's workers that
     /// prefill legs may be sent to, comma-separated.
-    #[arg(
-        long,
-        env = "KVROUTE_SIDECAR_POOL_ENDPOINTS",
-        value_delimiter = ','
-    )]
+    #[arg(long, env = "KVROUTE_SIDECAR_POOL_ENDPOINTS", value_delimiter = ',')]
     pub pool_endpoints: Vec<String>,
     /// A JSON list of allowed `host:port` strings, merged with --pool-endpoints and re-read
     /// when it changes (so it can follow the InferencePool).
@@ -76,23 +80,44 @@ pub struct Args {
     #[arg(long, env = "KVROUTE_SIDECAR_FALLBACK_LOCAL_PREFILL")]
     pub fallback_local_prefill: bool,
     /// KV connector protocol of the disaggregated flow.
-    #[arg(long, env = "KVROUTE_SIDECAR_KV_CONNECTOR", value_enum, default_value = "nixlv2")]
+    #[arg(
+        long,
+        env = "KVROUTE_SIDECAR_KV_CONNECTOR",
+        value_enum,
+        default_value = "nixlv2"
+    )]
     pub kv_connector: KvConnector,
     /// SGLang bootstrap port for prefill targets given by `x-prefiller-host-port` (llm-d's
     /// SGLANG_BOOTSTRAP_PORT default).
-    #[arg(long, env = "KVROUTE_SIDECAR_SGLANG_BOOTSTRAP_PORT", default_value_t = 8998)]
+    #[arg(
+        long,
+        env = "KVROUTE_SIDECAR_SGLANG_BOOTSTRAP_PORT",
+        default_value_t = 8998
+    )]
     pub sglang_bootstrap_port: u16,
     /// Larger request bodies get 413 (only disaggregated requests are read whole).
     #[arg(long, env = "KVROUTE_SIDECAR_MAX_BODY_BYTES", default_value_t = 16 << 20)]
     pub max_body_bytes: usize,
     /// Timeout for connecting to an engine.
-    #[arg(long, env = "KVROUTE_SIDECAR_CONNECT_TIMEOUT_MS", default_value_t = 2000)]
+    #[arg(
+        long,
+        env = "KVROUTE_SIDECAR_CONNECT_TIMEOUT_MS",
+        default_value_t = 2000
+    )]
     pub connect_timeout_ms: u64,
     /// Timeout of the whole prefill leg.
-    #[arg(long, env = "KVROUTE_SIDECAR_PREFILL_TIMEOUT_SECS", default_value_t = 300)]
+    #[arg(
+        long,
+        env = "KVROUTE_SIDECAR_PREFILL_TIMEOUT_SECS",
+        default_value_t = 300
+    )]
     pub prefill_timeout_secs: u64,
     /// Seconds in-flight requests may run after SIGTERM.
-    #[arg(long, env = "KVROUTE_SIDECAR_SHUTDOWN_GRACE_SECS", default_value_t = 30)]
+    #[arg(
+        long,
+        env = "KVROUTE_SIDECAR_SHUTDOWN_GRACE_SECS",
+        default_value_t = 30
+    )]
     pub shutdown_grace_secs: u64,
 }
 
@@ -147,11 +172,11 @@ impl EngineSpec {
             .filter(|n| !n.is_empty())
             .ok_or_else(|| bad("missing name=".into()))?;
         let base_url = url.ok_or_else(|| bad("missing url=".into()))?;
-        let uri: http::Uri = base_url
-            .parse()
-            .map_err(|e| bad(format!("url: {e}")))?;
+        let uri: http::Uri = base_url.parse().map_err(|e| bad(format!("url: {e}")))?;
         if uri.scheme_str() != Some("http") {
-            return Err(bad("url must start with http:// (TLS upstreams are not supported)".into()));
+            return Err(bad(
+                "url must start with http:// (TLS upstreams are not supported)".into(),
+            ));
         }
         let auth = uri
             .authority()
@@ -176,7 +201,10 @@ impl EngineSpec {
 
 /// `host:port` in one canonical spelling (lower case, IPv6 in brackets).
 pub fn normalize_authority(host: &str, port: u16) -> String {
-    let host = host.trim_start_matches('[').trim_end_matches(']').to_ascii_lowercase();
+    let host = host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_ascii_lowercase();
     if host.contains(':') {
         format!("[{host}]:{port}")
     } else {
@@ -267,8 +295,8 @@ mod tests {
 
     #[test]
     fn parses_engine_specs() {
-        let e = EngineSpec::parse("--engine", "name=42,url=http://127.0.0.1:8001/,dp_rank=1")
-            .unwrap();
+        let e =
+            EngineSpec::parse("--engine", "name=42,url=http://127.0.0.1:8001/,dp_rank=1").unwrap();
         assert_eq!(e.instance_id, 42);
         assert_eq!(e.dp_rank, Some(1));
         assert_eq!(e.base_url, "http://127.0.0.1:8001");

@@ -97,7 +97,11 @@ pub async fn handle(
     arrived: Instant,
 ) -> Response<Body> {
     let Some(target) = route.prefill.clone() else {
-        return error_response(StatusCode::INTERNAL_SERVER_ERROR, "no prefill target", "internal_error");
+        return error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "no prefill target",
+            "internal_error",
+        );
     };
     if kind == ApiKind::Responses {
         return error_response(
@@ -110,15 +114,24 @@ pub async fn handle(
     let bytes = match Limited::new(body, app.cfg.max_body_bytes).collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) => {
-            let too_big = e.downcast_ref::<http_body_util::LengthLimitError>().is_some();
+            let too_big = e
+                .downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some();
             return if too_big {
                 error_response(
                     StatusCode::PAYLOAD_TOO_LARGE,
-                    &format!("request body is larger than {} bytes", app.cfg.max_body_bytes),
+                    &format!(
+                        "request body is larger than {} bytes",
+                        app.cfg.max_body_bytes
+                    ),
                     "invalid_request_error",
                 )
             } else {
-                error_response(StatusCode::BAD_REQUEST, &format!("reading the request body: {e}"), "invalid_request_error")
+                error_response(
+                    StatusCode::BAD_REQUEST,
+                    &format!("reading the request body: {e}"),
+                    "invalid_request_error",
+                )
             };
         }
     };
@@ -127,16 +140,30 @@ pub async fn handle(
         Ok(p) => p,
         Err(e) => {
             let status = StatusCode::from_u16(e.http_status()).unwrap_or(StatusCode::BAD_REQUEST);
-            return full(status, "application/json", e.openai_error_json().to_string());
+            return full(
+                status,
+                "application/json",
+                e.openai_error_json().to_string(),
+            );
         }
     };
     let Value::Object(original) = parsed.body else {
-        return error_response(StatusCode::BAD_REQUEST, "request body must be a JSON object", "invalid_request_error");
+        return error_response(
+            StatusCode::BAD_REQUEST,
+            "request body must be a JSON object",
+            "invalid_request_error",
+        );
     };
     let mut headers = upstream_headers(&parts.headers, &rid);
     json_content_type(&mut headers);
     let path = kind.path();
-    let leg = Leg { app, route, headers, path, arrived };
+    let leg = Leg {
+        app,
+        route,
+        headers,
+        path,
+        arrived,
+    };
     match app.cfg.kv_connector {
         KvConnector::Nixlv2 => leg.nixl(&target, original).await,
         KvConnector::Sglang => leg.sglang(&target, original).await,
@@ -224,7 +251,14 @@ impl Leg<'_> {
 
     async fn send_decode(&self, body: Value) -> Result<Response<Incoming>, UpstreamError> {
         let url = format!("{}{}", self.route.engine.base_url, self.path);
-        upstream::send(&self.app.client, Method::POST, url, self.decode_headers(), full_body(body.to_string())).await
+        upstream::send(
+            &self.app.client,
+            Method::POST,
+            url,
+            self.decode_headers(),
+            full_body(body.to_string()),
+        )
+        .await
     }
 
     /// Runs the nixlv2 prefill leg: `kv_transfer_params` and the prefill's cached tokens.
@@ -237,28 +271,49 @@ impl Leg<'_> {
         let url = format!("{}{}", target.base_url, self.path);
         let body = Value::Object(prefill_body(original)).to_string();
         let call = async {
-            let r = upstream::send(&app.client, Method::POST, url.clone(), self.prefill_headers(target), full_body(body)).await?;
+            let r = upstream::send(
+                &app.client,
+                Method::POST,
+                url.clone(),
+                self.prefill_headers(target),
+                full_body(body),
+            )
+            .await?;
             let status = r.status();
             let headers = r.headers().clone();
-            let bytes = r.into_body().collect().await.map_err(|e| UpstreamError::BadUrl {
-                url: url.clone(),
-                why: format!("reading the prefill response: {e}"),
-            })?;
+            let bytes = r
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| UpstreamError::BadUrl {
+                    url: url.clone(),
+                    why: format!("reading the prefill response: {e}"),
+                })?;
             Ok::<_, UpstreamError>((status, headers, bytes.to_bytes()))
         };
-        let (status, headers, bytes) = match tokio::time::timeout(app.cfg.prefill_timeout, call).await {
-            Err(_) => {
-                let e = UpstreamError::Timeout { url, after: app.cfg.prefill_timeout };
-                app.metrics.upstream_error("prefill", e.kind());
-                return Err(PrefillFailure::Unavailable(e.response("prefill worker"), "timeout"));
-            }
-            Ok(Err(e)) => {
-                app.metrics.upstream_error("prefill", e.kind());
-                tracing::warn!(error = %e, "prefill leg failed");
-                return Err(PrefillFailure::Unavailable(e.response("prefill worker"), e.kind()));
-            }
-            Ok(Ok(x)) => x,
-        };
+        let (status, headers, bytes) =
+            match tokio::time::timeout(app.cfg.prefill_timeout, call).await {
+                Err(_) => {
+                    let e = UpstreamError::Timeout {
+                        url,
+                        after: app.cfg.prefill_timeout,
+                    };
+                    app.metrics.upstream_error("prefill", e.kind());
+                    return Err(PrefillFailure::Unavailable(
+                        e.response("prefill worker"),
+                        "timeout",
+                    ));
+                }
+                Ok(Err(e)) => {
+                    app.metrics.upstream_error("prefill", e.kind());
+                    tracing::warn!(error = %e, "prefill leg failed");
+                    return Err(PrefillFailure::Unavailable(
+                        e.response("prefill worker"),
+                        e.kind(),
+                    ));
+                }
+                Ok(Ok(x)) => x,
+            };
         let rebuilt = || {
             let mut resp = Response::new(full_body(bytes.clone()));
             *resp.status_mut() = status;
@@ -303,7 +358,11 @@ impl Leg<'_> {
     ) -> Response<Body> {
         let app = self.app;
         if !r.status().is_success() {
-            let kind = if r.status().is_server_error() { "status_5xx" } else { "status_4xx" };
+            let kind = if r.status().is_server_error() {
+                "status_5xx"
+            } else {
+                "status_4xx"
+            };
             app.metrics.upstream_error("decode", kind);
             return passthrough(r, None);
         }
@@ -320,7 +379,11 @@ impl Leg<'_> {
                 Ok(c) => c.to_bytes(),
                 Err(e) => {
                     app.metrics.upstream_error("decode", "io");
-                    return error_response(StatusCode::BAD_GATEWAY, &format!("reading the decode response: {e}"), "upstream_error");
+                    return error_response(
+                        StatusCode::BAD_GATEWAY,
+                        &format!("reading the decode response: {e}"),
+                        "upstream_error",
+                    );
                 }
             };
             let bytes = match cached.get() {
@@ -329,7 +392,8 @@ impl Leg<'_> {
             };
             full_body(bytes)
         };
-        let mut resp = Response::new(TrackedBody::new(body, app.metrics.clone(), MODE).boxed_unsync());
+        let mut resp =
+            Response::new(TrackedBody::new(body, app.metrics.clone(), MODE).boxed_unsync());
         *resp.status_mut() = parts.status;
         let mut headers = upstream::downstream_headers(&parts.headers);
         // The body length may have changed with the rewrite.
@@ -340,8 +404,16 @@ impl Leg<'_> {
 
     async fn sglang(&self, target: &PrefillTarget, original: Map<String, Value>) -> Response<Body> {
         let app = self.app;
-        let port = target.bootstrap_port.unwrap_or(app.cfg.sglang_bootstrap_port);
-        let body = Value::Object(bootstrap_body(&original, &target.host, port, bootstrap_room())).to_string();
+        let port = target
+            .bootstrap_port
+            .unwrap_or(app.cfg.sglang_bootstrap_port);
+        let body = Value::Object(bootstrap_body(
+            &original,
+            &target.host,
+            port,
+            bootstrap_room(),
+        ))
+        .to_string();
         let (tx, rx) = watch::channel(PrefillState::Running);
         let cached = Arc::new(OnceLock::new());
         let prefill = {
@@ -385,7 +457,11 @@ impl Leg<'_> {
                 let mut resp = self.decode_response(r, cached, Some(rx)).await;
                 // Keep the prefill leg alive as long as the response body is.
                 let body = std::mem::replace(resp.body_mut(), crate::respond::empty_body());
-                *resp.body_mut() = GuardedBody { inner: body, _guard: guard }.boxed_unsync();
+                *resp.body_mut() = GuardedBody {
+                    inner: body,
+                    _guard: guard,
+                }
+                .boxed_unsync();
                 resp
             }
             Err(e) => {
@@ -397,7 +473,14 @@ impl Leg<'_> {
 
     async fn send_decode_raw(&self, body: String) -> Result<Response<Incoming>, UpstreamError> {
         let url = format!("{}{}", self.route.engine.base_url, self.path);
-        upstream::send(&self.app.client, Method::POST, url, self.decode_headers(), full_body(body)).await
+        upstream::send(
+            &self.app.client,
+            Method::POST,
+            url,
+            self.decode_headers(),
+            full_body(body),
+        )
+        .await
     }
 }
 
@@ -440,9 +523,21 @@ async fn run_bootstrap_prefill(
     cached: &OnceLock<u64>,
 ) -> PrefillState {
     let call = async {
-        let r = upstream::send(&app.client, Method::POST, url.clone(), headers, full_body(body)).await?;
+        let r = upstream::send(
+            &app.client,
+            Method::POST,
+            url.clone(),
+            headers,
+            full_body(body),
+        )
+        .await?;
         let status = r.status();
-        let bytes = r.into_body().collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        let bytes = r
+            .into_body()
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
         Ok::<_, UpstreamError>((status, bytes))
     };
     match tokio::time::timeout(app.cfg.prefill_timeout, call).await {
@@ -450,23 +545,44 @@ async fn run_bootstrap_prefill(
             app.metrics.upstream_error("prefill", "timeout");
             PrefillState::Failed(PrefillError {
                 status: StatusCode::GATEWAY_TIMEOUT,
-                body: Bytes::from(kvroute_proto::openai::openai_error_body(504, "prefill leg timed out", "upstream_error", None)),
+                body: Bytes::from(kvroute_proto::openai::openai_error_body(
+                    504,
+                    "prefill leg timed out",
+                    "upstream_error",
+                    None,
+                )),
             })
         }
         Ok(Err(e)) => {
             app.metrics.upstream_error("prefill", e.kind());
             PrefillState::Failed(PrefillError {
                 status: e.status(),
-                body: Bytes::from(kvroute_proto::openai::openai_error_body(e.status().as_u16(), &format!("prefill worker: {e}"), "upstream_error", None)),
+                body: Bytes::from(kvroute_proto::openai::openai_error_body(
+                    e.status().as_u16(),
+                    &format!("prefill worker: {e}"),
+                    "upstream_error",
+                    None,
+                )),
             })
         }
         Ok(Ok((status, bytes))) if !status.is_success() => {
-            let kind = if status.is_server_error() { "status_5xx" } else { "status_4xx" };
+            let kind = if status.is_server_error() {
+                "status_5xx"
+            } else {
+                "status_4xx"
+            };
             app.metrics.upstream_error("prefill", kind);
-            PrefillState::Failed(PrefillError { status, body: bytes })
+            PrefillState::Failed(PrefillError {
+                status,
+                body: bytes,
+            })
         }
         Ok(Ok((_, bytes))) => {
-            if let Some(c) = serde_json::from_slice::<Value>(&bytes).ok().as_ref().and_then(cached_tokens) {
+            if let Some(c) = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .as_ref()
+                .and_then(cached_tokens)
+            {
                 let _ = cached.set(c);
             }
             PrefillState::Done

@@ -51,14 +51,20 @@ impl Metrics {
             &["reason"],
         )?;
         let prefill_seconds = Histogram::with_opts(
-            HistogramOpts::new("kvroute_sidecar_prefill_leg_seconds", "Duration of the remote prefill leg (request sent to JSON response read)")
-                .buckets(PREFILL_BUCKETS.to_vec()),
+            HistogramOpts::new(
+                "kvroute_sidecar_prefill_leg_seconds",
+                "Duration of the remote prefill leg (request sent to JSON response read)",
+            )
+            .buckets(PREFILL_BUCKETS.to_vec()),
         )?;
         let overhead_seconds = Histogram::with_opts(
             HistogramOpts::new("kvroute_sidecar_overhead_seconds", "Time the sidecar adds before response headers: its own work before sending upstream plus after the upstream headers arrived")
                 .buckets(OVERHEAD_BUCKETS.to_vec()),
         )?;
-        let inflight = IntGauge::new("kvroute_sidecar_inflight_requests", "Requests in flight through the sidecar")?;
+        let inflight = IntGauge::new(
+            "kvroute_sidecar_inflight_requests",
+            "Requests in flight through the sidecar",
+        )?;
         let client_cancellations = IntCounterVec::new(
             Opts::new("kvroute_sidecar_client_cancellations_total", "Responses the client stopped reading before they ended (the upstream request was dropped)"),
             &["mode"],

@@ -17,7 +17,9 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub type Body = UnsyncBoxBody<Bytes, BoxError>;
 
 pub fn full_body(b: impl Into<Bytes>) -> Body {
-    Full::new(b.into()).map_err(|never| match never {}).boxed_unsync()
+    Full::new(b.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 pub fn empty_body() -> Body {
@@ -25,7 +27,11 @@ pub fn empty_body() -> Body {
 }
 
 /// A complete response with `content_type`.
-pub fn full(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Response<Body> {
+pub fn full(
+    status: StatusCode,
+    content_type: &'static str,
+    body: impl Into<Bytes>,
+) -> Response<Body> {
     let mut resp = Response::new(full_body(body));
     *resp.status_mut() = status;
     resp.headers_mut()

@@ -82,7 +82,12 @@ pub enum RouteError {
     UnknownPrefill { id: u64 },
     #[error("prefill target {target} is not a worker of this pool (SSRF allowlist: --pool-endpoints / --pool-file)")]
     Forbidden { target: String },
-    #[error("{} is disaggregated but no prefill worker was given ({} or {})", hints::ROUTING_MODE, hints::PREFILL_INSTANCE_ID, hints::PREFILLER_HOST_PORT)]
+    #[error(
+        "{} is disaggregated but no prefill worker was given ({} or {})",
+        hints::ROUTING_MODE,
+        hints::PREFILL_INSTANCE_ID,
+        hints::PREFILLER_HOST_PORT
+    )]
     DisaggWithoutPrefill,
 }
 
@@ -207,7 +212,11 @@ impl Router {
         id: u64,
         rank: Option<u32>,
     ) -> Result<(Arc<EngineSpec>, Option<u32>), RouteError> {
-        let mut candidates = self.engines.iter().filter(|e| e.instance_id == id).peekable();
+        let mut candidates = self
+            .engines
+            .iter()
+            .filter(|e| e.instance_id == id)
+            .peekable();
         if candidates.peek().is_none() {
             return Err(RouteError::UnknownInstance {
                 id,
@@ -242,8 +251,7 @@ impl Router {
         // Dynamo: prefill_dp_rank.or(dp_rank).
         let prefill_rank: Option<u32> =
             parse_num::<u32>(headers, &[hints::PREFILL_DP_RANK])?.or(decode_rank);
-        if let Some((header, value, ascii)) = first_header(headers, &[hints::PREFILLER_HOST_PORT])
-        {
+        if let Some((header, value, ascii)) = first_header(headers, &[hints::PREFILLER_HOST_PORT]) {
             // llm-d: a comma list, the first entry is used.
             let first = value.split(',').map(str::trim).find(|s| !s.is_empty());
             let Some((host, port)) = first.filter(|_| ascii).and_then(split_host_port) else {
@@ -265,7 +273,10 @@ impl Router {
                 .and_then(|p| p.bootstrap_port);
             return Ok(Some(PrefillTarget {
                 base_url: format!("http://{host}:{port}"),
-                host: host.trim_start_matches('[').trim_end_matches(']').to_string(),
+                host: host
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .to_string(),
                 port,
                 dp_rank: prefill_rank,
                 bootstrap_port,
@@ -291,10 +302,18 @@ impl Router {
         }
         Ok(Some(PrefillTarget {
             base_url: spec.base_url.clone(),
-            host: spec.host.trim_start_matches('[').trim_end_matches(']').to_string(),
+            host: spec
+                .host
+                .trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string(),
             port,
             // A per-rank entry is its own engine; one that serves all ranks is told the rank.
-            dp_rank: if spec.dp_rank.is_some() { None } else { prefill_rank },
+            dp_rank: if spec.dp_rank.is_some() {
+                None
+            } else {
+                prefill_rank
+            },
             bootstrap_port: spec.bootstrap_port,
         }))
     }
@@ -314,8 +333,14 @@ mod tests {
         ])
         .unwrap();
         cfg.serve_without_hint = serve_without_hint;
-        cfg.prefills = vec![EngineSpec::parse("--prefill", "name=7,url=http://10.0.0.7:8000,bootstrap_port=8998").unwrap()];
-        let allow = Arc::new(Allowlist::new(vec!["10.0.0.7:8000".into(), "10.0.0.8".into()], None).unwrap());
+        cfg.prefills = vec![EngineSpec::parse(
+            "--prefill",
+            "name=7,url=http://10.0.0.7:8000,bootstrap_port=8998",
+        )
+        .unwrap()];
+        let allow = Arc::new(
+            Allowlist::new(vec!["10.0.0.7:8000".into(), "10.0.0.8".into()], None).unwrap(),
+        );
         Router::new(&cfg, allow)
     }
 
@@ -330,17 +355,33 @@ mod tests {
     #[test]
     fn resolves_instance_and_rank() {
         let r = router(false);
-        let route = r.route(&headers(&[(hints::WORKER_INSTANCE_ID, "2"), (hints::DP_RANK, "1")])).unwrap();
+        let route = r
+            .route(&headers(&[
+                (hints::WORKER_INSTANCE_ID, "2"),
+                (hints::DP_RANK, "1"),
+            ]))
+            .unwrap();
         assert_eq!(route.engine.base_url, "http://127.0.0.1:9003");
         assert_eq!(route.dp_rank, None);
-        let route = r.route(&headers(&[("x-worker-instance-id", "1"), (hints::DP_RANK, "3")])).unwrap();
+        let route = r
+            .route(&headers(&[
+                ("x-worker-instance-id", "1"),
+                (hints::DP_RANK, "3"),
+            ]))
+            .unwrap();
         assert_eq!(route.engine.base_url, "http://127.0.0.1:9001");
         assert_eq!(route.dp_rank, Some(3));
         assert_eq!(
-            r.route(&headers(&[(hints::WORKER_INSTANCE_ID, "2"), (hints::DP_RANK, "5")])).unwrap_err(),
+            r.route(&headers(&[
+                (hints::WORKER_INSTANCE_ID, "2"),
+                (hints::DP_RANK, "5")
+            ]))
+            .unwrap_err(),
             RouteError::UnknownDpRank { id: 2, rank: 5 }
         );
-        let e = r.route(&headers(&[(hints::WORKER_INSTANCE_ID, "99")])).unwrap_err();
+        let e = r
+            .route(&headers(&[(hints::WORKER_INSTANCE_ID, "99")]))
+            .unwrap_err();
         assert!(e.to_string().contains("instance_id=99 not found"), "{e}");
         assert_eq!(e.status(), StatusCode::SERVICE_UNAVAILABLE);
     }
@@ -349,10 +390,14 @@ mod tests {
     fn missing_and_bad_hints() {
         let e = router(false).route(&HeaderMap::new()).unwrap_err();
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
-        assert!(e.to_string().contains("requires x-dynamo-worker-instance-id (set by the EPP)"));
+        assert!(e
+            .to_string()
+            .contains("requires x-dynamo-worker-instance-id (set by the EPP)"));
         let route = router(true).route(&HeaderMap::new()).unwrap();
         assert_eq!(route.engine.base_url, "http://127.0.0.1:9001");
-        let e = router(false).route(&headers(&[(hints::WORKER_INSTANCE_ID, "abc")])).unwrap_err();
+        let e = router(false)
+            .route(&headers(&[(hints::WORKER_INSTANCE_ID, "abc")]))
+            .unwrap_err();
         assert_eq!(e.status(), StatusCode::BAD_REQUEST);
     }
 
@@ -360,24 +405,41 @@ mod tests {
     fn prefill_targets_and_ssrf() {
         let r = router(false);
         let route = r
-            .route(&headers(&[(hints::WORKER_INSTANCE_ID, "1"), (hints::PREFILLER_HOST_PORT, "10.0.0.8:1234, 10.0.0.9:1")]))
+            .route(&headers(&[
+                (hints::WORKER_INSTANCE_ID, "1"),
+                (hints::PREFILLER_HOST_PORT, "10.0.0.8:1234, 10.0.0.9:1"),
+            ]))
             .unwrap();
         let p = route.prefill.unwrap();
         assert_eq!(p.base_url, "http://10.0.0.8:1234");
         let e = r
-            .route(&headers(&[(hints::WORKER_INSTANCE_ID, "1"), (hints::PREFILLER_HOST_PORT, "169.254.169.254:80")]))
+            .route(&headers(&[
+                (hints::WORKER_INSTANCE_ID, "1"),
+                (hints::PREFILLER_HOST_PORT, "169.254.169.254:80"),
+            ]))
             .unwrap_err();
         assert_eq!(e.status(), StatusCode::FORBIDDEN);
         let route = r
-            .route(&headers(&[(hints::WORKER_INSTANCE_ID, "1"), (hints::PREFILL_INSTANCE_ID, "7")]))
+            .route(&headers(&[
+                (hints::WORKER_INSTANCE_ID, "1"),
+                (hints::PREFILL_INSTANCE_ID, "7"),
+            ]))
             .unwrap();
         assert_eq!(route.prefill.unwrap().bootstrap_port, Some(8998));
         assert_eq!(
-            r.route(&headers(&[(hints::WORKER_INSTANCE_ID, "1"), (hints::PREFILL_INSTANCE_ID, "8")])).unwrap_err(),
+            r.route(&headers(&[
+                (hints::WORKER_INSTANCE_ID, "1"),
+                (hints::PREFILL_INSTANCE_ID, "8")
+            ]))
+            .unwrap_err(),
             RouteError::UnknownPrefill { id: 8 }
         );
         assert_eq!(
-            r.route(&headers(&[(hints::WORKER_INSTANCE_ID, "1"), (hints::ROUTING_MODE, "disaggregated")])).unwrap_err(),
+            r.route(&headers(&[
+                (hints::WORKER_INSTANCE_ID, "1"),
+                (hints::ROUTING_MODE, "disaggregated")
+            ]))
+            .unwrap_err(),
             RouteError::DisaggWithoutPrefill
         );
     }

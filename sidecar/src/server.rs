@@ -28,7 +28,9 @@ use crate::config::{Config, ConfigError};
 use crate::metrics::{Metrics, MetricsError};
 use crate::respond::{empty_body, error_response, full, Body};
 use crate::routing::{Route, Router};
-use crate::upstream::{self, downstream_headers, new_client, upstream_headers, HttpClient, TrackedBody, REQUEST_ID};
+use crate::upstream::{
+    self, downstream_headers, new_client, upstream_headers, HttpClient, TrackedBody, REQUEST_ID,
+};
 
 /// Why the server could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -149,9 +151,15 @@ pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
         ("/v1/models", &Method::GET) => models(&app, req, &rid).await,
         ("/health" | "/metrics" | "/v1/models", _) => method_not_allowed("GET"),
         (p, m) => match ApiKind::from_path(p) {
-            Some(kind) if m == Method::POST => generate(app.clone(), kind, req, rid.clone(), arrived).await,
+            Some(kind) if m == Method::POST => {
+                generate(app.clone(), kind, req, rid.clone(), arrived).await
+            }
             Some(_) => method_not_allowed("POST"),
-            None => error_response(StatusCode::NOT_FOUND, &format!("no route for {path}"), "not_found_error"),
+            None => error_response(
+                StatusCode::NOT_FOUND,
+                &format!("no route for {path}"),
+                "not_found_error",
+            ),
         },
     };
     resp.headers_mut().entry(REQUEST_ID).or_insert(rid);
@@ -165,14 +173,19 @@ fn method_not_allowed(allow: &'static str) -> Response<Body> {
         &format!("method not allowed; use {allow}"),
         "invalid_request_error",
     );
-    r.headers_mut().insert(http::header::ALLOW, HeaderValue::from_static(allow));
+    r.headers_mut()
+        .insert(http::header::ALLOW, HeaderValue::from_static(allow));
     r
 }
 
 /// 200 when the sidecar runs and at least one local engine answers its `/health` with 200.
 async fn health(app: &App) -> Response<Body> {
     if app.is_shutting_down() {
-        return error_response(StatusCode::SERVICE_UNAVAILABLE, "sidecar is shutting down", "service_unavailable");
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "sidecar is shutting down",
+            "service_unavailable",
+        );
     }
     let checks = app.router.engines().iter().map(|e| {
         let url = format!("{}/health", e.base_url);
@@ -185,16 +198,32 @@ async fn health(app: &App) -> Response<Body> {
     let results = futures::future::join_all(checks).await;
     let healthy = results.iter().filter(|ok| **ok).count();
     if healthy > 0 {
-        full(StatusCode::OK, "text/plain; charset=utf-8", format!("ok: {healthy}/{} local engines healthy\n", results.len()))
+        full(
+            StatusCode::OK,
+            "text/plain; charset=utf-8",
+            format!("ok: {healthy}/{} local engines healthy\n", results.len()),
+        )
     } else {
-        error_response(StatusCode::SERVICE_UNAVAILABLE, "no local engine is healthy", "service_unavailable")
+        error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no local engine is healthy",
+            "service_unavailable",
+        )
     }
 }
 
 fn metrics(app: &App) -> Response<Body> {
     match app.metrics.encode() {
-        Ok(text) => full(StatusCode::OK, "text/plain; version=0.0.4; charset=utf-8", text),
-        Err(e) => error_response(StatusCode::INTERNAL_SERVER_ERROR, &e.to_string(), "internal_error"),
+        Ok(text) => full(
+            StatusCode::OK,
+            "text/plain; version=0.0.4; charset=utf-8",
+            text,
+        ),
+        Err(e) => error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            &e.to_string(),
+            "internal_error",
+        ),
     }
 }
 
@@ -204,11 +233,25 @@ async fn models(app: &App, req: Request<Incoming>, rid: &HeaderValue) -> Respons
         Ok(r) => r.engine,
         Err(_) => match app.router.engines().first() {
             Some(e) => e.clone(),
-            None => return error_response(StatusCode::SERVICE_UNAVAILABLE, "no local engine", "service_unavailable"),
+            None => {
+                return error_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no local engine",
+                    "service_unavailable",
+                )
+            }
         },
     };
     let headers = upstream_headers(req.headers(), rid);
-    match upstream::send(&app.client, Method::GET, format!("{}/v1/models", engine.base_url), headers, empty_body()).await {
+    match upstream::send(
+        &app.client,
+        Method::GET,
+        format!("{}/v1/models", engine.base_url),
+        headers,
+        empty_body(),
+    )
+    .await
+    {
         Ok(r) => passthrough(r, None),
         Err(e) => {
             app.metrics.upstream_error("engine", e.kind());
@@ -244,7 +287,11 @@ async fn generate(
 ) -> Response<Body> {
     if app.is_shutting_down() {
         app.metrics.request("none", 503);
-        return error_response(StatusCode::SERVICE_UNAVAILABLE, "sidecar is shutting down", "service_unavailable");
+        return error_response(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "sidecar is shutting down",
+            "service_unavailable",
+        );
     }
     let route = match app.router.route(req.headers()) {
         Ok(r) => r,
@@ -285,13 +332,26 @@ async fn aggregated(
     let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let url = format!("{}{}", route.engine.base_url, pq);
     let sent = Instant::now();
-    match upstream::send(&app.client, parts.method, url, headers, body.map_err(Into::into).boxed_unsync()).await {
+    match upstream::send(
+        &app.client,
+        parts.method,
+        url,
+        headers,
+        body.map_err(Into::into).boxed_unsync(),
+    )
+    .await
+    {
         Ok(r) => {
             let got = Instant::now();
             let resp = passthrough(r, Some((&app.metrics, "aggregated")));
-            app.metrics.observe_overhead((sent - arrived + got.elapsed()).as_secs_f64());
+            app.metrics
+                .observe_overhead((sent - arrived + got.elapsed()).as_secs_f64());
             if !resp.status().is_success() {
-                let kind = if resp.status().is_server_error() { "status_5xx" } else { "status_4xx" };
+                let kind = if resp.status().is_server_error() {
+                    "status_5xx"
+                } else {
+                    "status_4xx"
+                };
                 app.metrics.upstream_error("engine", kind);
             }
             resp
@@ -299,7 +359,10 @@ async fn aggregated(
         Err(e) => {
             tracing::warn!(engine = %route.engine.name, error = %e, "engine call failed");
             app.metrics.upstream_error("engine", e.kind());
-            e.response(&format!("engine {} ({})", route.engine.name, route.engine.instance_id))
+            e.response(&format!(
+                "engine {} ({})",
+                route.engine.name, route.engine.instance_id
+            ))
         }
     }
 }

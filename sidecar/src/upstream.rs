@@ -155,10 +155,12 @@ pub async fn send(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response<Incoming>, UpstreamError> {
-    let uri: http::Uri = url.parse().map_err(|e: http::uri::InvalidUri| UpstreamError::BadUrl {
-        url: url.clone(),
-        why: e.to_string(),
-    })?;
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e: http::uri::InvalidUri| UpstreamError::BadUrl {
+            url: url.clone(),
+            why: e.to_string(),
+        })?;
     let mut req = Request::new(body);
     *req.method_mut() = method;
     *req.uri_mut() = uri;
@@ -226,7 +228,10 @@ impl Drop for TrackedBody {
                 .client_cancellations
                 .with_label_values(&[self.mode])
                 .inc();
-            tracing::debug!(mode = self.mode, "client went away; upstream request dropped");
+            tracing::debug!(
+                mode = self.mode,
+                "client went away; upstream request dropped"
+            );
         }
     }
 }
@@ -240,7 +245,10 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("x-dynamo-worker-instance-id", HeaderValue::from_static("1"));
         h.insert("X-Prefiller-Host-Port", HeaderValue::from_static("a:1"));
-        h.insert("connection", HeaderValue::from_static("keep-alive, x-secret"));
+        h.insert(
+            "connection",
+            HeaderValue::from_static("keep-alive, x-secret"),
+        );
         h.insert("x-secret", HeaderValue::from_static("s"));
         h.insert("authorization", HeaderValue::from_static("Bearer t"));
         h.insert("content-length", HeaderValue::from_static("10"));

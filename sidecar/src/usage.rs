@@ -77,7 +77,10 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 /// The end of the last complete SSE event in `buf` (after its blank line), if any.
 fn last_event_end(buf: &[u8]) -> Option<usize> {
     let lf = buf.windows(2).rposition(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = buf.windows(4).rposition(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    let crlf = buf
+        .windows(4)
+        .rposition(|w| w == b"\r\n\r\n")
+        .map(|i| i + 4);
     lf.max(crlf)
 }
 
@@ -139,7 +142,13 @@ impl SseUsageRewriter {
                     if !set_cached_tokens(&mut v, cached) {
                         return None;
                     }
-                    let eol: &[u8] = if line.ends_with(b"\r\n") { b"\r\n" } else if line.ends_with(b"\n") { b"\n" } else { b"" };
+                    let eol: &[u8] = if line.ends_with(b"\r\n") {
+                        b"\r\n"
+                    } else if line.ends_with(b"\n") {
+                        b"\n"
+                    } else {
+                        b""
+                    };
                     let mut l = format!("data: {v}").into_bytes();
                     l.extend_from_slice(eol);
                     Some(l)
@@ -199,7 +208,9 @@ mod tests {
     #[test]
     fn sse_without_value_is_unchanged() {
         let mut r = SseUsageRewriter::new(Arc::new(OnceLock::new()));
-        let ev = Bytes::from_static(b"data: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":1}}}\n\n");
+        let ev = Bytes::from_static(
+            b"data: {\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":1}}}\n\n",
+        );
         assert_eq!(r.push(ev.clone()), ev);
     }
 }
