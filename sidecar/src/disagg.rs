@@ -430,7 +430,7 @@ impl Leg<'_> {
             })
         };
         // Dropping this aborts the prefill leg when the client goes away.
-        let guard = AbortOnDrop(prefill);
+        let guard = AbortOnDrop(Some(prefill));
         let decode = self.send_decode_raw(body);
         tokio::pin!(decode);
         let mut watch_rx = rx.clone();
@@ -459,7 +459,7 @@ impl Leg<'_> {
                 let body = std::mem::replace(resp.body_mut(), crate::respond::empty_body());
                 *resp.body_mut() = GuardedBody {
                     inner: body,
-                    _guard: guard,
+                    guard,
                 }
                 .boxed_unsync();
                 resp
@@ -590,18 +590,24 @@ async fn run_bootstrap_prefill(
     }
 }
 
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+/// Aborts the bootstrap prefill task when dropped, unless disarmed.
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
-        self.0.abort();
+        if let Some(t) = self.0.take() {
+            t.abort();
+        }
     }
 }
 
-/// A body that keeps something alive (the bootstrap prefill task) until it is dropped.
+/// The decode body of a bootstrap request, holding the prefill task: if the client goes away
+/// mid-stream the prefill leg is aborted with it; if the stream ends normally the prefill leg
+/// is left to finish on its own (it is done or about to be: the decode could not run without
+/// its KV, and cutting it off would make the prefill engine log an abort).
 struct GuardedBody {
     inner: Body,
-    _guard: AbortOnDrop,
+    guard: AbortOnDrop,
 }
 
 impl http_body::Body for GuardedBody {
@@ -612,7 +618,12 @@ impl http_body::Body for GuardedBody {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        std::pin::Pin::new(&mut self.inner).poll_frame(cx)
+        let polled = std::pin::Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, std::task::Poll::Ready(None)) {
+            // Detach instead of aborting.
+            self.guard.0.take();
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
