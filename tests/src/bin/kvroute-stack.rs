@@ -13,9 +13,24 @@ use kvroute_tests::harness::stack::{Stack, StackOptions};
     about = "Run Envoy + kvroute-epp + simulated workers locally"
 )]
 struct Args {
-    /// Aggregated simulated workers.
-    #[arg(long, env = "KVROUTE_WORKERS_N", default_value_t = 4)]
-    workers: usize,
+    /// Aggregated simulated workers [default: 4, or 0 with --prefill/--decode].
+    #[arg(long, env = "KVROUTE_WORKERS_N")]
+    workers: Option<usize>,
+    /// Disaggregated serving: prefill workers...
+    #[arg(long, default_value_t = 0)]
+    prefill: usize,
+    /// ...and decode workers, each behind a kvroute-sidecar.
+    #[arg(long, default_value_t = 0)]
+    decode: usize,
+    /// Topology zones assigned round-robin per role (e.g. a,b); enables KV transfer domains.
+    #[arg(long, value_delimiter = ',')]
+    zones: Vec<String>,
+    /// KV transfer enforcement when zones are set: required or preferred.
+    #[arg(long, default_value = "required", value_parser = ["required", "preferred"])]
+    kv_transfer: String,
+    /// Preferred weight in [0, 1] (with --kv-transfer preferred).
+    #[arg(long, default_value_t = 0.5)]
+    kv_transfer_weight: f32,
     /// Gateway (Envoy) port.
     #[arg(long, env = "KVROUTE_GATEWAY_PORT", default_value_t = 10000)]
     port: u16,
@@ -48,7 +63,13 @@ async fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_env_filter("info").init();
     let args = Args::parse();
     let opts = StackOptions {
-        workers: args.workers,
+        workers: args
+            .workers
+            .unwrap_or(if args.prefill + args.decode > 0 { 0 } else { 4 }),
+        prefill_workers: args.prefill,
+        decode_workers: args.decode,
+        zones: args.zones.clone(),
+        kv_transfer: (args.kv_transfer.clone(), args.kv_transfer_weight),
         gateway_port: Some(args.port),
         policy: args.policy.clone(),
         body_mode: if args.body_mode == "buffered" {
@@ -63,8 +84,8 @@ async fn main() -> anyhow::Result<()> {
         ..StackOptions::default()
     };
     eprintln!(
-        "starting {} workers, the EPP ({}) and Envoy ...",
-        args.workers, args.policy
+        "starting {} aggregated, {} prefill and {} decode workers, the EPP ({}) and Envoy ...",
+        opts.workers, opts.prefill_workers, opts.decode_workers, args.policy
     );
     let stack = Stack::start(opts).await?;
     println!();
@@ -74,10 +95,21 @@ async fn main() -> anyhow::Result<()> {
         stack.epp_metrics_port
     );
     for w in &stack.workers {
-        println!(
-            "  worker       {}  http://{}  (id {})",
-            w.name, w.http, w.instance_id
-        );
+        let zone = w
+            .zone
+            .as_deref()
+            .map(|z| format!(", zone {z}"))
+            .unwrap_or_default();
+        match &w.sidecar {
+            Some((addr, _)) => println!(
+                "  {:<11}  {}  http://{}  via sidecar http://{addr}  (id {}{zone})",
+                w.role, w.name, w.http, w.instance_id
+            ),
+            None => println!(
+                "  {:<11}  {}  http://{}  (id {}{zone})",
+                w.role, w.name, w.http, w.instance_id
+            ),
+        }
     }
     println!("  logs         {}", args.log_dir.display());
     println!();

@@ -14,7 +14,16 @@ use super::{client, envoy_bin, free_port, model_dir, workspace_bin};
 
 #[derive(Debug, Clone)]
 pub struct StackOptions {
+    /// Aggregated workers.
     pub workers: usize,
+    /// Disaggregated serving: prefill workers, and decode workers each behind a sidecar.
+    pub prefill_workers: usize,
+    pub decode_workers: usize,
+    /// Topology zones, assigned round-robin within each role (empty: no topology).
+    pub zones: Vec<String>,
+    /// KV transfer policy of every worker when zones are set: `required` or `preferred`, and the
+    /// preferred weight.
+    pub kv_transfer: (String, f32),
     /// Gateway port; a free one when `None`.
     pub gateway_port: Option<u16>,
     pub policy: String,
@@ -35,6 +44,10 @@ impl Default for StackOptions {
     fn default() -> Self {
         StackOptions {
             workers: 4,
+            prefill_workers: 0,
+            decode_workers: 0,
+            zones: Vec::new(),
+            kv_transfer: ("required".into(), 0.0),
             gateway_port: None,
             policy: "kv".into(),
             body_mode: BodyMode::FullDuplexStreamed,
@@ -66,7 +79,21 @@ pub struct WorkerHandle {
     pub http: String,
     pub grpc: String,
     pub instance_id: u64,
+    pub role: String,
+    pub zone: Option<String>,
+    /// The sidecar in front of a decode worker: its address is the gateway's destination.
+    pub sidecar: Option<(String, ChildProcess)>,
     pub process: ChildProcess,
+}
+
+impl WorkerHandle {
+    /// Where the gateway sends this worker's requests.
+    pub fn destination(&self) -> &str {
+        self.sidecar
+            .as_ref()
+            .map(|(a, _)| a.as_str())
+            .unwrap_or(&self.http)
+    }
 }
 
 pub struct Stack {
@@ -141,19 +168,93 @@ pub async fn start_worker(
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let flag = |k: &str| {
+        extra
+            .iter()
+            .position(|a| a == k)
+            .and_then(|i| extra.get(i + 1))
+            .cloned()
+    };
     Ok(WorkerHandle {
         name: name.to_string(),
         instance_id: instance_id_for_pod(name),
         http,
         grpc,
+        role: flag("--role").unwrap_or_else(|| "aggregated".into()),
+        zone: flag("--topology-domain").and_then(|d| d.strip_prefix("zone=").map(str::to_string)),
+        sidecar: None,
         process,
     })
+}
+
+/// Starts a sidecar fronting `worker`, allowed to call `prefill_endpoints`.
+pub async fn start_sidecar(
+    worker: &mut WorkerHandle,
+    prefill_endpoints: &[String],
+    opts: &StackOptions,
+) -> anyhow::Result<()> {
+    let addr = format!("127.0.0.1:{}", free_port()?);
+    let mut args = vec![
+        "--listen".to_string(),
+        addr.clone(),
+        "--engine".into(),
+        format!("name={},url=http://{}", worker.instance_id, worker.http),
+    ];
+    if !prefill_endpoints.is_empty() {
+        args.push("--pool-endpoints".into());
+        args.push(prefill_endpoints.join(","));
+    }
+    let name = format!("{}-sidecar", worker.name);
+    let mut process = ChildProcess::spawn(
+        &name,
+        &workspace_bin("kvroute-sidecar")?,
+        &args,
+        &opts.log_dir,
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok((200, _, _)) = client::get(&format!("http://{addr}/health")).await {
+            break;
+        }
+        if process.exited() {
+            anyhow::bail!(
+                "sidecar {name} exited during start-up:\n{}",
+                process.log_tail(30)
+            );
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "sidecar {name} not healthy after 30 s:\n{}",
+            process.log_tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    worker.sidecar = Some((addr, process));
+    Ok(())
+}
+
+/// Worker flags for role and topology.
+fn role_args(role: &str, zone: Option<&String>, opts: &StackOptions) -> Vec<String> {
+    let mut a = vec!["--role".to_string(), role.to_string()];
+    if let Some(z) = zone {
+        a.extend([
+            "--topology-domain".to_string(),
+            format!("zone={z}"),
+            "--kv-transfer-domain".into(),
+            "zone".into(),
+            "--kv-transfer-enforcement".into(),
+            opts.kv_transfer.0.clone(),
+            "--kv-transfer-preferred-weight".into(),
+            opts.kv_transfer.1.to_string(),
+        ]);
+    }
+    a
 }
 
 pub fn write_workers_file(path: &std::path::Path, workers: &[&WorkerHandle]) -> anyhow::Result<()> {
     let list: Vec<serde_json::Value> = workers
         .iter()
-        .map(|w| serde_json::json!({"name": w.name, "grpc": w.grpc, "http": w.http}))
+        .map(|w| serde_json::json!({"name": w.name, "grpc": w.grpc, "http": w.destination()}))
         .collect();
     let tmp = path.with_extension("tmp");
     std::fs::write(
@@ -170,6 +271,21 @@ impl Stack {
         let mut workers = Vec::new();
         for i in 0..opts.workers {
             workers.push(start_worker(&format!("sim-worker-{i}"), &opts, &[]).await?);
+        }
+        let zone =
+            |i: usize| (!opts.zones.is_empty()).then(|| opts.zones[i % opts.zones.len()].clone());
+        let mut prefill_endpoints = Vec::new();
+        for i in 0..opts.prefill_workers {
+            let args = role_args("prefill", zone(i).as_ref(), &opts);
+            let w = start_worker(&format!("prefill-worker-{i}"), &opts, &args).await?;
+            prefill_endpoints.push(w.http.clone());
+            workers.push(w);
+        }
+        for i in 0..opts.decode_workers {
+            let args = role_args("decode", zone(i).as_ref(), &opts);
+            let mut w = start_worker(&format!("decode-worker-{i}"), &opts, &args).await?;
+            start_sidecar(&mut w, &prefill_endpoints, &opts).await?;
+            workers.push(w);
         }
         let workers_file = opts.log_dir.join("workers.json");
         write_workers_file(&workers_file, &workers.iter().collect::<Vec<_>>())?;
@@ -199,7 +315,12 @@ impl Stack {
             epp_port: epp_grpc_port,
             body_mode: stack.opts.body_mode,
             fail_open: stack.opts.fail_open,
-            pool_endpoints: stack.workers.iter().map(|w| w.http.clone()).collect(),
+            pool_endpoints: stack
+                .workers
+                .iter()
+                .filter(|w| w.role != "prefill")
+                .map(|w| w.destination().to_string())
+                .collect(),
             direct_to: None,
         };
         stack.envoy = Some(envoy::start(&envoy_bin()?, &cfg, &stack.opts.log_dir, "envoy").await?);
