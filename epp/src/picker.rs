@@ -401,6 +401,25 @@ impl Picker {
 
         // Disaggregated: the prefill worker by KV overlap and prefill load (it holds no decode
         // load), the decode worker by decode load alone (overlap credit 0), as Dynamo does.
+        // Unlike Dynamo, a prefill worker whose required transfer domain has no decode worker
+        // is not a candidate, so one zone losing its decode workers does not fail requests that
+        // the other zone can serve; only when no prefill worker is viable is it a 503.
+        let mut viable = Vec::new();
+        let mut first_refusal = None;
+        for p in prefill_side {
+            match self.apply_topology(&p, decode_side.clone()) {
+                Ok(_) => viable.push(p),
+                Err(r) => {
+                    first_refusal.get_or_insert(r);
+                }
+            }
+        }
+        if viable.is_empty() {
+            return Err(first_refusal.unwrap_or_else(|| {
+                Rejection::new(503, "ServiceUnavailable", "no prefill worker")
+            }));
+        }
+        let prefill_side = viable;
         let prefill = self.score(&prefill_side, &ctx, &|_| 0.0, true)?;
         let p_idx = self.selector.rank(&prefill.cands, &shape, &[])[0];
         let p_worker = prefill.owners[p_idx].clone();

@@ -181,6 +181,25 @@ fn prefill_by_overlap_decode_in_the_required_domain() {
 }
 
 #[test]
+fn prefill_avoids_a_domain_without_decode_workers() {
+    let f = fixture(
+        vec![
+            worker(1, WorkerRole::Prefill, "a", Enforcement::Required, 0.0),
+            worker(2, WorkerRole::Prefill, "b", Enforcement::Required, 0.0),
+            worker(3, WorkerRole::Decode, "a", Enforcement::Required, 0.0),
+        ],
+        0,
+    );
+    let b = body(3);
+    f.hold(2, &b); // zone b's prefill worker holds the prompt, but zone b has no decode worker
+    for i in 0..10 {
+        let d = f.pick(&format!("r{i}"), &b).expect("zone a serves it");
+        assert_eq!(d.prefill.map(|p| p.worker_id), Some(1));
+        assert_eq!(d.worker_id, 3);
+    }
+}
+
+#[test]
 fn required_domain_without_decode_workers_is_503_naming_it() {
     let f = fixture(
         vec![
