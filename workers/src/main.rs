@@ -14,9 +14,11 @@ use clap::Parser;
 use kvroute_proto::metadata::{Enforcement, WorkerMetadata, WorkerRole};
 use kvroute_proto::prompt::PromptRenderer;
 use kvroute_proto::worker_id::instance_id_for_pod;
+use kvroute_worker::disagg::{Disagg, DisaggConfig};
 use kvroute_worker::http::{self, AppState, HttpConfig};
 use kvroute_worker::metrics::Metrics;
 use kvroute_worker::sim::{SimConfig, SimEngine};
+use kvroute_worker::transfer::Backend;
 use tokio::net::TcpListener;
 use tokio_util::sync::CancellationToken;
 
@@ -80,6 +82,34 @@ struct Args {
     /// Seconds in-flight requests may run after SIGINT/SIGTERM.
     #[arg(long, env = "KVROUTE_SHUTDOWN_GRACE_SECS", default_value_t = 10)]
     shutdown_grace_secs: u64,
+    /// Where a prefill worker's KV transfer agent listens (port 0 = a free port; the bound
+    /// host:port is advertised in `kv_transfer_params`).
+    #[arg(
+        long,
+        env = "KVROUTE_KV_TRANSFER_LISTEN",
+        default_value = "127.0.0.1:0"
+    )]
+    kv_transfer_listen: SocketAddr,
+    /// Host advertised as `remote_host` (default: the bound IP; $POD_IP for 0.0.0.0).
+    #[arg(long, env = "KVROUTE_KV_TRANSFER_ADVERTISE_HOST")]
+    kv_transfer_advertise_host: Option<String>,
+    /// KV bytes per token held by the simulated engine for transfer (layers * 2 * kv_heads *
+    /// head_dim * dtype bytes; Qwen3-0.6B bf16 is 114688).
+    #[arg(long, env = "KVROUTE_KV_BYTES_PER_TOKEN", default_value_t = 4096)]
+    kv_bytes_per_token: u64,
+    /// Blocks a prefill worker can hold pinned for transfer (default: --kv-blocks).
+    #[arg(long, env = "KVROUTE_KV_TRANSFER_POOL_BLOCKS")]
+    kv_transfer_pool_blocks: Option<usize>,
+    /// Seconds a prefill worker keeps unpulled blocks pinned (vLLM's
+    /// VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
+    #[arg(long, env = "KVROUTE_KV_PIN_TIMEOUT_SECS", default_value_t = 60)]
+    kv_pin_timeout_secs: u64,
+    /// Bound on one KV pull, in seconds.
+    #[arg(long, env = "KVROUTE_KV_TRANSFER_TIMEOUT_SECS", default_value_t = 30)]
+    kv_transfer_timeout_secs: u64,
+    /// tcp | cuda (cuda needs a CUDA driver; without one the worker logs an error and uses tcp).
+    #[arg(long, env = "KVROUTE_KV_TRANSFER_BACKEND", default_value = "tcp", value_parser = parse_backend)]
+    kv_transfer_backend: Backend,
     /// One file per topology domain (file name = domain, content = value); ignored if absent.
     #[arg(
         long,
@@ -107,6 +137,16 @@ struct Args {
         default_value_t = 1.0
     )]
     kv_transfer_preferred_weight: f32,
+}
+
+fn parse_backend(s: &str) -> Result<Backend, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "tcp" => Ok(Backend::Tcp),
+        "cuda" => Ok(Backend::Cuda),
+        other => Err(format!(
+            "unknown KV transfer backend {other:?} (tcp | cuda)"
+        )),
+    }
 }
 
 fn parse_domain(s: &str) -> Result<(String, String), String> {
@@ -290,7 +330,42 @@ async fn run() -> anyhow::Result<()> {
         filler_tokens,
     });
     let metrics = Arc::new(Metrics::new(&args.model, args.block_size, args.kv_blocks)?);
-    let state = Arc::new(AppState::new(
+    let disagg = if args.role == WorkerRole::Aggregated {
+        None
+    } else {
+        let advertise_host = args.kv_transfer_advertise_host.clone().or_else(|| {
+            args.kv_transfer_listen
+                .ip()
+                .is_unspecified()
+                .then(|| std::env::var("POD_IP").ok())
+                .flatten()
+        });
+        let d = Disagg::start(
+            DisaggConfig {
+                role: args.role,
+                engine_id: format!("{name}-{}", uuid::Uuid::new_v4().simple()),
+                block_size: args.block_size,
+                kv_bytes_per_token: args.kv_bytes_per_token,
+                pool_blocks: args
+                    .kv_transfer_pool_blocks
+                    .unwrap_or(args.kv_blocks as usize),
+                pin_timeout: Duration::from_secs(args.kv_pin_timeout_secs),
+                transfer_timeout: Duration::from_secs(args.kv_transfer_timeout_secs),
+                backend: args.kv_transfer_backend,
+                listen: args.kv_transfer_listen,
+                advertise_host,
+            },
+            engine.clone(),
+            metrics.registry(),
+        )
+        .await
+        .context("starting the KV transfer agent")?;
+        if let Some((host, port)) = d.advertised() {
+            tracing::info!(kv_transfer = %format!("{host}:{port}"), "KV transfer agent advertised");
+        }
+        Some(d)
+    };
+    let mut app = AppState::new(
         HttpConfig {
             served_model: args.model.clone(),
             instance_id,
@@ -301,7 +376,11 @@ async fn run() -> anyhow::Result<()> {
         engine.clone(),
         renderer,
         metrics,
-    ));
+    );
+    if let Some(d) = disagg {
+        app = app.with_disagg(d);
+    }
+    let state = Arc::new(app);
 
     let token = CancellationToken::new();
     tokio::spawn({

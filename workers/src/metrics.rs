@@ -40,6 +40,7 @@ pub struct Metrics {
     cancelled: IntCounter,
     prompt_tokens: IntCounter,
     generation_tokens: IntCounter,
+    prompt_tokens_computed: IntCounter,
     /// Serialises scrape-time refreshes: engine counters are copied into Prometheus counters
     /// as deltas, which two concurrent scrapes must not both apply.
     refresh: Mutex<()>,
@@ -121,6 +122,11 @@ impl Metrics {
             "vllm:generation_tokens_total",
             "Number of generation tokens processed.",
         ))?;
+        let prompt_tokens_computed = IntCounter::with_opts(opts(
+            "kvroute_worker_prompt_tokens_computed_total",
+            "Prefill tokens the engine actually computed (prompt tokens not served from the prefix cache or a KV transfer).",
+        ))?;
+        registry.register(Box::new(prompt_tokens_computed.clone()))?;
         registry.register(Box::new(running.clone()))?;
         registry.register(Box::new(waiting.clone()))?;
         registry.register(Box::new(kv_usage.clone()))?;
@@ -146,6 +152,7 @@ impl Metrics {
             cancelled,
             prompt_tokens,
             generation_tokens,
+            prompt_tokens_computed,
             refresh: Mutex::new(()),
         })
     }
@@ -193,6 +200,15 @@ impl Metrics {
         advance(&self.prefix_queries, sum(|s| s.prefix_queries_tokens));
         advance(&self.prefix_hits, sum(|s| s.prefix_hits_tokens));
         advance(&self.preemptions, sum(|s| s.preemptions));
+        advance(
+            &self.prompt_tokens_computed,
+            sum(|s| s.prefill_tokens_computed),
+        );
+    }
+
+    /// The registry, for metrics other layers own (the KV transfer layer).
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// Prometheus text exposition of every metric.

@@ -2,6 +2,11 @@
 //! (shared `kvroute_proto::openai`), tokenize it exactly like the EPP (`PromptRenderer`),
 //! submit it, and answer with one JSON body or an SSE stream shaped like vLLM's / OpenAI's.
 //!
+//! Disaggregation: a body with vLLM's `kv_transfer_params` is a prefill leg
+//! (`do_remote_decode`: compute, pin the KV blocks, answer with the params for the decode leg)
+//! or a decode leg (`do_remote_prefill`: pull the blocks through the KV agent before the
+//! request is queued, so the TTFT includes the transfer); see [`crate::disagg`].
+//!
 //! Streams are produced as the engine emits tokens. When the client goes away hyper drops the
 //! response body (streaming) or the handler future (non-streaming); either drops the engine's
 //! receiver, which cancels the request in the engine, and counts a cancellation.
@@ -20,7 +25,8 @@ use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::respond::{bad_request, error_response, read_body, RespBody};
 use super::{unix_now, AppState, DP_RANK_HEADER};
-use crate::sim::{EngineError, EngineOutput, EngineRequest, FinishReason};
+use crate::disagg::{Disagg, DisaggError, KvTransferParams};
+use crate::sim::{EngineError, EngineOutput, EngineRequest, FinishReason, PrefixHold};
 
 /// Handles a POST to a generation endpoint.
 pub async fn handle(
@@ -54,6 +60,12 @@ pub async fn handle(
         );
     }
 
+    // Disaggregation legs (vLLM NixlConnector `kv_transfer_params`).
+    let leg = match Leg::of(&state, &parsed) {
+        Ok(l) => l,
+        Err(resp) => return *resp,
+    };
+
     // Templating and BPE of a long prompt take milliseconds: keep them off the I/O threads.
     let renderer = state.renderer.clone();
     let tokenized =
@@ -74,6 +86,61 @@ pub async fn handle(
             )
         }
     };
+
+    // Disaggregated legs run on a rank chosen now, so the KV blocks they pin or install and
+    // the request are on the same rank.
+    let mut dp_rank = dp_rank;
+    let mut hold = None;
+    let mut kv_headers: Vec<(&'static str, String)> = Vec::new();
+    let mut prefill = None;
+    if let Leg::Prefill(d) | Leg::Decode(d, _) = &leg {
+        let rank = match state.engine.pick_rank(dp_rank) {
+            Ok(r) => r,
+            Err(e) => return bad_request(&e.to_string(), None),
+        };
+        dp_rank = Some(rank);
+        match &leg {
+            Leg::Decode(_, params) => {
+                let pulled = d
+                    .pull(
+                        params,
+                        &prompt_tokens,
+                        parsed.lora_name.as_deref(),
+                        parsed.cache_salt.as_deref(),
+                        rank,
+                    )
+                    .await;
+                match pulled {
+                    Ok(p) => {
+                        kv_headers.push((KV_BLOCKS_HEADER, p.blocks.to_string()));
+                        kv_headers.push((KV_BYTES_HEADER, p.bytes.to_string()));
+                        kv_headers.push((KV_CHECKSUM_HEADER, p.checksum.clone()));
+                        kv_headers.push((KV_TRANSFER_US_HEADER, p.elapsed.as_micros().to_string()));
+                        hold = p.hold;
+                    }
+                    Err(e) => {
+                        tracing::warn!(request_id, error = %e, "decode leg: KV pull failed");
+                        return error_response(
+                            e.http_status(),
+                            &e.to_string(),
+                            "kv_transfer_error",
+                            Some("kv_transfer_params"),
+                        );
+                    }
+                }
+            }
+            _ => {
+                prefill = Some(PrefillCtx {
+                    disagg: d.clone(),
+                    tokens: prompt_tokens.clone(),
+                    lora_name: parsed.lora_name.clone(),
+                    cache_salt: parsed.cache_salt.clone(),
+                    dp_rank: rank,
+                    request_id: request_id.clone(),
+                });
+            }
+        }
+    }
 
     let engine_req = EngineRequest {
         request_id: request_id.clone(),
@@ -100,12 +167,85 @@ pub async fn handle(
         state: state.clone(),
         arrived,
         done: false,
+        _hold: hold,
     };
-    if parsed.stream {
+    let mut resp = if parsed.stream {
         stream_response(state, reply, rx, tracker)
     } else {
-        full_response(state, reply, rx, tracker).await
+        full_response(state, reply, rx, tracker, prefill).await
+    };
+    for (name, value) in kv_headers {
+        if let Ok(v) = HeaderValue::from_str(&value) {
+            resp.headers_mut().insert(name, v);
+        }
     }
+    resp
+}
+
+/// Blocks the decode leg installed (response header).
+pub const KV_BLOCKS_HEADER: &str = "x-kvroute-kv-blocks";
+/// KV bytes the decode leg pulled.
+pub const KV_BYTES_HEADER: &str = "x-kvroute-kv-transfer-bytes";
+/// xxh3-64 (hex) of the pulled bytes; equals the prefill's `kv_checksum`.
+pub const KV_CHECKSUM_HEADER: &str = "x-kvroute-kv-checksum";
+/// Wall time of the pull, in microseconds (included in the TTFT).
+pub const KV_TRANSFER_US_HEADER: &str = "x-kvroute-kv-transfer-us";
+
+/// Which disaggregation leg a request is.
+enum Leg {
+    Local,
+    /// `do_remote_decode: true`: compute, pin the blocks, answer with `kv_transfer_params`.
+    Prefill(Arc<Disagg>),
+    /// `do_remote_prefill: true`: pull the blocks, then decode.
+    Decode(Arc<Disagg>, KvTransferParams),
+}
+
+impl Leg {
+    /// The leg of a request; `Err` is the (boxed: it is large) response refusing it.
+    fn of(state: &AppState, parsed: &ParsedRequest) -> Result<Leg, Box<Response<RespBody>>> {
+        let params = KvTransferParams::from_body(&parsed.body)
+            .map_err(|m| Box::new(bad_request(&m, Some("kv_transfer_params"))))?;
+        let Some(params) = params else {
+            return Ok(Leg::Local);
+        };
+        let Some(d) = state.disagg.clone() else {
+            // Like vLLM without a KV connector: the params are ignored.
+            tracing::debug!("kv_transfer_params ignored: this worker has no KV transfer layer");
+            return Ok(Leg::Local);
+        };
+        if params.do_remote_decode {
+            if parsed.stream {
+                return Err(Box::new(bad_request(
+                    "a prefill leg (do_remote_decode) must use stream=false",
+                    Some("stream"),
+                )));
+            }
+            if d.advertised().is_none() {
+                let e = DisaggError::NotPrefill(d.role());
+                return Err(Box::new(error_response(
+                    e.http_status(),
+                    &e.to_string(),
+                    "invalid_request_error",
+                    Some("kv_transfer_params"),
+                )));
+            }
+            Ok(Leg::Prefill(d))
+        } else if params.do_remote_prefill {
+            Ok(Leg::Decode(d, params))
+        } else {
+            Ok(Leg::Local)
+        }
+    }
+}
+
+/// What the prefill leg needs once the engine is done.
+struct PrefillCtx {
+    disagg: Arc<Disagg>,
+    tokens: Vec<u32>,
+    lora_name: Option<String>,
+    cache_salt: Option<String>,
+    dp_rank: u32,
+    request_id: String,
 }
 
 /// `x-dynamo-dp-rank`, when present and a valid number.
@@ -133,6 +273,8 @@ struct Tracker {
     state: Arc<AppState>,
     arrived: Instant,
     done: bool,
+    /// KV blocks a decode leg installed: referenced until the request ends.
+    _hold: Option<PrefixHold>,
 }
 
 impl Tracker {
@@ -284,6 +426,7 @@ async fn full_response(
     reply: Reply,
     mut rx: UnboundedReceiver<EngineOutput>,
     mut tracker: Tracker,
+    prefill: Option<PrefillCtx>,
 ) -> Response<RespBody> {
     let mut tokens = Vec::new();
     while let Some(out) = rx.recv().await {
@@ -303,10 +446,31 @@ async fn full_response(
                     .decode_with(&tokens, true)
                     .unwrap_or_default();
                 let usage = Reply::usage(prompt_tokens, completion_tokens, cached_tokens);
-                return super::respond::json_response(
-                    StatusCode::OK,
-                    &reply.full(text, finish_reason, usage),
-                );
+                let mut body = reply.full(text, finish_reason, usage);
+                if let Some(p) = prefill {
+                    match p.disagg.publish_prefill(
+                        &p.request_id,
+                        &p.tokens,
+                        p.lora_name.as_deref(),
+                        p.cache_salt.as_deref(),
+                        p.dp_rank,
+                    ) {
+                        Ok(params) => {
+                            body["kv_transfer_params"] =
+                                serde_json::to_value(params).unwrap_or(Value::Null);
+                        }
+                        Err(e) => {
+                            tracing::warn!(request_id = p.request_id, error = %e, "prefill leg: could not publish KV blocks");
+                            return error_response(
+                                e.http_status(),
+                                &e.to_string(),
+                                "kv_transfer_error",
+                                None,
+                            );
+                        }
+                    }
+                }
+                return super::respond::json_response(StatusCode::OK, &body);
             }
         }
     }

@@ -27,6 +27,7 @@ use kvroute_proto::prompt::{PromptError, PromptRenderer};
 use serde_json::json;
 use tokio::net::TcpListener;
 
+use crate::disagg::Disagg;
 use crate::metrics::Metrics;
 use crate::sim::SimEngine;
 use respond::{error_response, json_response, method_not_allowed, RespBody};
@@ -77,6 +78,8 @@ pub struct AppState {
     pub engine: SimEngine,
     pub renderer: Arc<PromptRenderer>,
     pub metrics: Arc<Metrics>,
+    /// The disaggregated prefill/decode layer (prefill and decode roles).
+    pub disagg: Option<Arc<Disagg>>,
     worker_id_header: HeaderValue,
     /// Decoded text of the filler tokens, so streaming does not detokenize per token.
     token_text: HashMap<u32, String>,
@@ -103,10 +106,17 @@ impl AppState {
             engine,
             renderer,
             metrics,
+            disagg: None,
             token_text,
             created_unix: unix_now(),
             shutting_down: AtomicBool::new(false),
         }
+    }
+
+    /// Enables disaggregated prefill/decode legs (`kv_transfer_params`).
+    pub fn with_disagg(mut self, disagg: Arc<Disagg>) -> AppState {
+        self.disagg = Some(disagg);
+        self
     }
 
     /// New requests get 503 and `/health` fails from now on.
@@ -265,6 +275,9 @@ fn health(state: &AppState) -> Response<RespBody> {
 
 fn metrics(state: &AppState) -> Response<RespBody> {
     state.metrics.refresh(&state.engine.stats());
+    if let Some(d) = &state.disagg {
+        d.refresh_metrics();
+    }
     match state.metrics.encode() {
         Ok(text) => respond::full(StatusCode::OK, state.metrics.content_type(), text),
         Err(e) => error_response(

@@ -249,7 +249,11 @@ impl BlockManager {
     /// Number of leading full blocks of `tokens` found in the cache, capped so that at least one
     /// token is left to compute (like vLLM: the last token must run to produce logits).
     pub fn match_prefix(&self, ns: &Namespace, tokens: &[u32]) -> usize {
-        let max_blocks = tokens.len().saturating_sub(1) / self.block_size;
+        self.match_blocks(ns, tokens, tokens.len().saturating_sub(1) / self.block_size)
+    }
+
+    /// Leading cached full blocks of `tokens`, at most `max_blocks`.
+    fn match_blocks(&self, ns: &Namespace, tokens: &[u32], max_blocks: usize) -> usize {
         let seed = ns.seed();
         let mut parent: Option<u64> = None;
         let mut matched = 0;
@@ -339,6 +343,34 @@ impl BlockManager {
         self.append_unchecked(seq, &tokens[cached_tokens..chunk_end]);
         self.emitter.flush();
         Ok(cached_tokens)
+    }
+
+    /// Starts a sequence that holds the full blocks of `tokens` (a trailing partial block is
+    /// ignored): cached blocks are referenced, missing ones are allocated and cached as if
+    /// computed, emitting `Stored` like any cache fill. This pins blocks for a KV transfer
+    /// (prefill side) and installs blocks received by one (decode side). It is not a prefix
+    /// query, so the hit/query counters do not move. Atomic: on error nothing changed.
+    /// Returns how many of the blocks were already cached.
+    pub fn hold_prefix(
+        &mut self,
+        seq: SeqId,
+        ns: Namespace,
+        tokens: &[u32],
+    ) -> Result<usize, AllocError> {
+        let bs = self.block_size;
+        let full = tokens.len() / bs * bs;
+        let tokens = &tokens[..full];
+        let matched = self.match_blocks(&ns, tokens, full / bs);
+        let counters = (
+            self.stats.prefix_queries_tokens,
+            self.stats.prefix_hits_tokens,
+        );
+        let cached = self.start_sequence(seq, ns, tokens, matched, full - matched * bs)?;
+        (
+            self.stats.prefix_queries_tokens,
+            self.stats.prefix_hits_tokens,
+        ) = counters;
+        Ok(cached / bs)
     }
 
     /// Blocks a sequence would need to grow by `n` tokens (0 if unknown).
@@ -750,6 +782,28 @@ mod tests {
             other => panic!("expected Stored, got {other:?}"),
         }
         assert_eq!(m.sequence_tokens(1), Some(8));
+    }
+
+    #[test]
+    fn hold_prefix_pins_and_installs_full_blocks() {
+        let mut m = BlockManager::new(8, BS);
+        let tokens: Vec<u32> = (0..10).collect(); // 2 full blocks + 2 tokens
+        assert_eq!(m.hold_prefix(100, ns(), &tokens).unwrap(), 0);
+        let h = hashes(&tokens[..8]);
+        let evs = m.drain_events();
+        assert!(matches!(&evs[..], [KvEventData::Stored { blocks, .. }] if blocks.len() == 2));
+        assert_eq!(m.refcount(h[1]), Some(1));
+        assert_eq!(m.stats().prefix_queries_tokens, 0);
+        // A request for the same prompt now hits both blocks.
+        assert_eq!(start(&mut m, 1, &tokens).unwrap(), 8);
+        assert_eq!(m.refcount(h[0]), Some(2));
+        // Holding again references, stores nothing.
+        assert_eq!(m.hold_prefix(101, ns(), &tokens).unwrap(), 2);
+        assert!(m.drain_events().is_empty());
+        m.free(100);
+        m.free(101);
+        m.free(1);
+        assert_eq!(m.refcount(h[0]), Some(0));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use tokio::sync::mpsc;
 
-use super::block_manager::Namespace;
+use super::block_manager::{AllocError, Namespace, SeqId};
 use super::scheduler::{self, OutputTx, RankShared, SimRequest};
 use crate::events::{EventLog, EventLogConfig};
 
@@ -149,6 +149,8 @@ pub enum EngineError {
     BadDpRank { dp_rank: u32, dp_size: u32 },
     #[error("the engine is shutting down")]
     ShuttingDown,
+    #[error("KV cache full: need {needed} blocks, {available} free or evictable")]
+    KvCacheFull { needed: u64, available: u64 },
 }
 
 /// Per dp rank load and cache counters.
@@ -168,9 +170,30 @@ pub struct RankStats {
     pub prefix_hits_tokens: u64,
     pub preemptions: u64,
     pub finished_requests: u64,
+    /// Prefill tokens the rank actually computed (prompt tokens not served from the cache,
+    /// plus recomputation after preemption): what a KV transfer saves the decode worker.
+    pub prefill_tokens_computed: u64,
     /// Simulated engine time of all steps so far, before the speedup divisor: what a real
     /// engine following the perf model would have spent computing.
     pub simulated_time: std::time::Duration,
+}
+
+/// Blocks held by [`SimEngine::hold_prefix`]; released on drop.
+#[derive(Debug)]
+pub struct PrefixHold {
+    rank: Arc<RankShared>,
+    seq: SeqId,
+    pub dp_rank: u32,
+    /// Full blocks held.
+    pub blocks: usize,
+    /// Of those, how many were cached before the hold (the rest were installed).
+    pub already_cached: usize,
+}
+
+impl Drop for PrefixHold {
+    fn drop(&mut self) {
+        self.rank.release_hold(self.seq);
+    }
 }
 
 #[derive(Debug)]
@@ -297,6 +320,62 @@ impl SimEngine {
             return Err(EngineError::ShuttingDown);
         }
         Ok(())
+    }
+
+    /// The rank a request with this `dp_rank` hint would run on (the least loaded when
+    /// `None`), so callers can pin or install KV blocks on that rank first.
+    pub fn pick_rank(&self, dp_rank: Option<u32>) -> Result<u32, EngineError> {
+        match dp_rank {
+            Some(r) if (r as usize) < self.inner.ranks.len() => Ok(r),
+            Some(r) => Err(EngineError::BadDpRank {
+                dp_rank: r,
+                dp_size: self.inner.cfg.dp_size,
+            }),
+            None => Ok(self.least_loaded().dp_rank()),
+        }
+    }
+
+    /// Holds the full blocks of `tokens` (in the LoRA / cache-salt namespace) on `dp_rank`
+    /// until the returned [`PrefixHold`] is dropped: cached blocks are pinned, missing ones
+    /// are installed as cached without any compute (emitting `Stored`). Prefill workers pin
+    /// the blocks a decode worker will pull; decode workers install the pulled blocks so
+    /// the request that follows hits them in the prefix cache instead of recomputing.
+    pub fn hold_prefix(
+        &self,
+        dp_rank: u32,
+        lora_name: Option<String>,
+        cache_salt: Option<String>,
+        tokens: &[u32],
+    ) -> Result<PrefixHold, EngineError> {
+        if self.inner.shutdown.load(Ordering::Acquire) {
+            return Err(EngineError::ShuttingDown);
+        }
+        let rank = self
+            .inner
+            .ranks
+            .get(dp_rank as usize)
+            .ok_or(EngineError::BadDpRank {
+                dp_rank,
+                dp_size: self.inner.cfg.dp_size,
+            })?;
+        let ns = Namespace {
+            lora_name: lora_name.filter(|s| !s.is_empty()),
+            cache_salt: cache_salt.filter(|s| !s.is_empty()),
+        };
+        let (seq, already_cached) = rank.hold_prefix(ns, tokens).map_err(|e| match e {
+            AllocError::OutOfBlocks { needed, available } => {
+                EngineError::KvCacheFull { needed, available }
+            }
+            _ => EngineError::ShuttingDown,
+        })?;
+        let bs = self.inner.cfg.block_size as usize;
+        Ok(PrefixHold {
+            rank: rank.clone(),
+            seq,
+            dp_rank,
+            blocks: tokens.len() / bs,
+            already_cached,
+        })
     }
 
     fn least_loaded(&self) -> &Arc<RankShared> {

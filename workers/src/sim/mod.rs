@@ -13,6 +13,6 @@ pub mod scheduler;
 pub mod timing;
 
 pub use engine::{
-    EngineError, EngineOutput, EngineRequest, FinishReason, RankStats, SimConfig, SimEngine,
-    TimedOutput,
+    EngineError, EngineOutput, EngineRequest, FinishReason, PrefixHold, RankStats, SimConfig,
+    SimEngine, TimedOutput,
 };

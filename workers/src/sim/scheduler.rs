@@ -128,6 +128,9 @@ struct RankCore {
     next_seq: SeqId,
     preemptions: u64,
     finished: u64,
+    /// Prefill tokens computed by scheduled steps (prompt tokens not served from the cache,
+    /// plus recomputation after preemption).
+    prefill_computed: u64,
     /// Sum of the unscaled durations of completed steps.
     simulated: Duration,
     stopped: bool,
@@ -163,6 +166,7 @@ impl RankShared {
                 next_seq: 1,
                 preemptions: 0,
                 finished: 0,
+                prefill_computed: 0,
                 simulated: Duration::ZERO,
                 stopped: false,
             }),
@@ -186,6 +190,10 @@ impl RankShared {
         // notify_one stores a permit when the task is busy, so no wake-up is lost.
         self.wake.notify_one();
         true
+    }
+
+    pub(crate) fn dp_rank(&self) -> u32 {
+        self.dp_rank
     }
 
     pub(crate) fn stop(&self) {
@@ -215,6 +223,7 @@ impl RankShared {
             prefix_hits_tokens: bs.prefix_hits_tokens,
             preemptions: core.preemptions,
             finished_requests: core.finished,
+            prefill_tokens_computed: core.prefill_computed,
             simulated_time: core.simulated,
         }
     }
@@ -237,6 +246,32 @@ impl RankShared {
         core.manager.reset();
         self.publish(&mut core);
         tracing::info!(dp_rank = self.dp_rank, "prefix cache reset");
+    }
+
+    /// Pins (or installs) the full blocks of `tokens` in a hold sequence; see
+    /// [`BlockManager::hold_prefix`]. Returns the sequence and the blocks already cached.
+    pub(crate) fn hold_prefix(
+        &self,
+        ns: Namespace,
+        tokens: &[u32],
+    ) -> Result<(SeqId, usize), AllocError> {
+        let mut core = self.core.lock();
+        let seq = core.next_seq;
+        core.next_seq += 1;
+        let r = core.manager.hold_prefix(seq, ns, tokens);
+        self.publish(&mut core);
+        r.map(|cached| (seq, cached))
+    }
+
+    /// Releases a hold; its blocks become evictable (or stay referenced by requests).
+    pub(crate) fn release_hold(&self, seq: SeqId) {
+        {
+            let mut core = self.core.lock();
+            core.manager.free(seq);
+            self.publish(&mut core);
+        }
+        // Freed blocks may let a waiting request in.
+        self.wake.notify_one();
     }
 
     /// Publishes the manager's pending events; called with the core lock held.
@@ -389,6 +424,7 @@ impl RankCore {
             }
         }
 
+        self.prefill_computed += prefill_tokens;
         let any = self.running.iter().any(|r| r.scheduled > 0);
         if !any {
             return Some(StepPlan {
