@@ -2,6 +2,7 @@
 //! block hashing, worker identity and metadata, our gRPC worker-control service, and prompt
 //! rendering (chat template + tokenizer) shared by the EPP and the workers so their token ids agree.
 
+pub mod decode;
 pub mod events;
 pub mod hashing;
 pub mod hints;
