@@ -482,3 +482,70 @@ async fn sglang_failing_prefill_aborts_the_decode_leg() {
         "llm-d's default bootstrap port"
     );
 }
+
+/// The real thing: a `--role prefill` sim worker computes the prompt and pins its KV blocks,
+/// the `--role decode` sim worker behind the sidecar pulls them (the workers' KV transfer
+/// agent) and decodes. `cached_tokens` must be the prefill worker's: 0 for a new prompt, then
+/// its prefix-cache hits when the same prompt comes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_prefill_and_decode_workers_through_the_sidecar() {
+    let prefill = start_worker("real-prefill", 200.0, &["--role", "prefill"]).await;
+    let decode = start_worker("real-decode", 200.0, &["--role", "decode"]).await;
+    let mut cfg = config(&[format!("name=real-decode,url={}", decode.url)]);
+    cfg.pool_endpoints = vec![prefill.addr.clone()];
+    let sc = start_sidecar(cfg).await;
+    let id = kvroute_proto::worker_id::instance_id_for_pod("real-decode").to_string();
+    let hints = [
+        (hints::WORKER_INSTANCE_ID, id.as_str()),
+        (hints::PREFILLER_HOST_PORT, prefill.addr.as_str()),
+    ];
+    let long_prompt = "Disaggregated serving splits prefill from decode. ".repeat(8);
+    let mut body = chat(false);
+    body["messages"] = json!([{"role": "user", "content": long_prompt}]);
+
+    let (status, headers, got) =
+        post_json(&format!("{}/v1/chat/completions", sc.url), &hints, &body).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&got));
+    assert_eq!(
+        header(&headers, "x-kvroute-worker-id"),
+        Some(id.as_str()),
+        "decoded locally"
+    );
+    let v: Value = serde_json::from_slice(&got).unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 5, "{v}");
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt_tokens > 64);
+    assert_eq!(
+        usage_cached(&v),
+        Some(0),
+        "a new prompt was computed on the prefill worker: {v}"
+    );
+
+    // The same prompt again, streamed: the prefill worker now has its blocks cached.
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    body["stream_options"] = json!({"include_usage": true});
+    let (status, _, got) =
+        post_json(&format!("{}/v1/chat/completions", sc.url), &hints, &body).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&got));
+    let events = sse_data(&got);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let usage: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert_eq!(usage["usage"]["completion_tokens"], 5);
+    let cached = usage_cached(&usage).unwrap();
+    assert!(
+        cached > 0 && cached < prompt_tokens,
+        "prefix hits on the prefill worker: {usage}"
+    );
+
+    // Completions too.
+    let (status, _, got) = post_json(
+        &format!("{}/v1/completions", sc.url),
+        &hints,
+        &completion(true),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&got));
+    assert_eq!(sse_data(&got).last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(metric(&prefill.url, "vllm:num_requests_running").await, 0.0);
+}
