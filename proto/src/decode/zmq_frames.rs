@@ -73,7 +73,7 @@ pub fn parse_replay_frames<'a>(frames: &[&'a [u8]]) -> Result<ZmqMessage<'a>, De
             }
             (Some(1), 2)
         }
-        [first, _, _] if first.is_empty() => (None, 1),
+        [[], _, _] => (None, 1),
         [_, _, _] => (Some(0), 1),
         [_, _] => (None, 0),
         _ => {
