@@ -391,3 +391,40 @@ async fn client_disconnect_before_headers_cancels_a_json_request() {
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
+
+/// The binary itself: flags from the environment, serves, and exits cleanly on SIGTERM.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn binary_serves_and_stops_on_sigterm() {
+    let rec = Recorder::start(|_| Canned::json(200, json!({"ok": true}))).await;
+    let addr = format!("127.0.0.1:{}", free_port());
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvroute-sidecar"))
+        .env("KVROUTE_SIDECAR_LISTEN", &addr)
+        .env("KVROUTE_SIDECAR_ENGINES", format!("name=5,url={}", rec.url))
+        .env("KVROUTE_SIDECAR_SERVE_WITHOUT_HINT", "true")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let url = format!("http://{addr}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !matches!(get(&format!("{url}/health")).await, Ok((200, _, _))) {
+        assert!(Instant::now() < deadline, "sidecar binary not healthy");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, _, _) =
+        post_json(&format!("{url}/v1/chat/completions"), &[], &chat(false, 1)).await;
+    assert_eq!(status, 200);
+    // SAFETY: kill(2) on our own child.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            assert!(st.success(), "exit status {st}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "sidecar did not stop on SIGTERM");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
