@@ -457,11 +457,7 @@ impl Leg<'_> {
                 let mut resp = self.decode_response(r, cached, Some(rx)).await;
                 // Keep the prefill leg alive as long as the response body is.
                 let body = std::mem::replace(resp.body_mut(), crate::respond::empty_body());
-                *resp.body_mut() = GuardedBody {
-                    inner: body,
-                    guard,
-                }
-                .boxed_unsync();
+                *resp.body_mut() = GuardedBody { inner: body, guard }.boxed_unsync();
                 resp
             }
             Err(e) => {
