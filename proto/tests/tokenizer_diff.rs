@@ -683,3 +683,24 @@ fn unsupported_files_fall_back_to_hf() {
         hf_ids(&f.hf, text, false)
     );
 }
+
+/// The prompt renderer tokenizes through the fast encoder (with prefix reuse) for Qwen3, and
+/// its ids for a growing conversation equal HF's.
+#[test]
+fn prompt_renderer_uses_the_fast_encoder() {
+    let f = fixture();
+    let r = kvroute_proto::prompt::PromptRenderer::from_dir(&model_dir()).unwrap();
+    assert!(r.uses_fast_tokenizer());
+    let mut rng = StdRng::seed_from_u64(23);
+    let mut messages = Vec::new();
+    for _ in 0..6 {
+        messages.push(serde_json::json!({"role": "user", "content": random_text(&mut rng, 20)}));
+        let prompt = r.render_chat(&messages, None, None, None, true).unwrap();
+        assert_eq!(
+            r.encode(&prompt, false).unwrap(),
+            hf_ids(&f.hf, &prompt, false)
+        );
+        messages
+            .push(serde_json::json!({"role": "assistant", "content": random_text(&mut rng, 20)}));
+    }
+}

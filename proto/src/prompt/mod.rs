@@ -20,6 +20,7 @@ use minijinja::{Environment, Error as JinjaError, ErrorKind};
 use serde_json::{Map, Value};
 
 use crate::openai::{ParsedRequest, PromptInput};
+use crate::tokenizer::{FastTokenizer, PrefixReuseEncoder};
 
 /// Template name used inside the renderer's environment.
 const TEMPLATE: &str = "chat_template";
@@ -72,6 +73,31 @@ pub struct PromptRenderer {
     /// `bos_token`, `eos_token`, ... as the template sees them (HF's `special_tokens_map`).
     special_tokens: Map<String, Value>,
     eos_token_id: Option<u32>,
+    /// The fast exact encoder with prefix reuse (issue 5), when it supports this model.
+    fast: Option<PrefixReuseEncoder>,
+}
+
+/// Remembered prompts for prefix reuse (deltas per conversation turn; a cold prompt keeps its
+/// text and ids, so about 256 x 70 KB for 8K-token prompts).
+const REUSE_CAPACITY: usize = 256;
+
+/// [`FastTokenizer`] for `tok_path` when it supports the file and `hf` has no tokens beyond the
+/// file's (tokenizer_config.json can add some); `None` means [`PromptRenderer::encode`] uses HF.
+fn fast_encoder(tok_path: &Path, hf: &tokenizers::Tokenizer) -> Option<PrefixReuseEncoder> {
+    match FastTokenizer::from_file(tok_path) {
+        Ok(Some(fast)) if fast.vocab_size() == hf.get_vocab_size(true) => {
+            Some(PrefixReuseEncoder::new(fast, REUSE_CAPACITY))
+        }
+        Ok(Some(_)) => {
+            tracing::info!("tokenizer_config.json adds tokens; tokenizing with HF tokenizers");
+            None
+        }
+        Ok(None) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "fast tokenizer unavailable; tokenizing with HF tokenizers");
+            None
+        }
+    }
 }
 
 impl std::fmt::Debug for PromptRenderer {
@@ -241,8 +267,10 @@ impl PromptRenderer {
                 .map_err(|e| PromptError::TemplateSyntax(format!("{e:#}")))?;
         }
 
+        let fast = fast_encoder(&tok_path, &tokenizer);
         Ok(PromptRenderer {
             dir: dir.to_path_buf(),
+            fast,
             tokenizer,
             env,
             has_template,
@@ -339,8 +367,18 @@ impl PromptRenderer {
         }
     }
 
+    /// Whether [`PromptRenderer::encode`] uses kvroute's fast exact encoder (else HF).
+    pub fn uses_fast_tokenizer(&self) -> bool {
+        self.fast.is_some()
+    }
+
     /// Tokenizes `text`. The single tokenization entry point (see the module doc).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, PromptError> {
+        if let Some(fast) = &self.fast {
+            return fast
+                .encode(text, add_special_tokens)
+                .map_err(|e| PromptError::Tokenize(e.to_string()));
+        }
         let enc = self
             .tokenizer
             .encode_fast(text, add_special_tokens)
@@ -425,6 +463,7 @@ mod tests {
             has_tool_template: false,
             special_tokens: Map::new(),
             eos_token_id: None,
+            fast: None,
         }
     }
 
