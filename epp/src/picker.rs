@@ -391,9 +391,11 @@ impl Picker {
             overlaps: overlaps.as_ref(),
             positions: &positions,
         };
-        let prefill_side = match u {
-            Some(_) if kv => self.prefill_workers(),
-            _ => Vec::new(),
+        // A prompt shorter than one block has no KV to transfer: its decode worker prefills it.
+        let prefill_side = if hashes.is_empty() {
+            Vec::new()
+        } else {
+            self.prefill_workers()
         };
         if prefill_side.is_empty() {
             return self.aggregated(meta, u, &decode_side, &ctx, &shape, false);

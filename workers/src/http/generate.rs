@@ -116,6 +116,9 @@ pub async fn handle(
                         kv_headers.push((KV_BYTES_HEADER, p.bytes.to_string()));
                         kv_headers.push((KV_CHECKSUM_HEADER, p.checksum.clone()));
                         kv_headers.push((KV_TRANSFER_US_HEADER, p.elapsed.as_micros().to_string()));
+                        if let Some(source) = &params.remote_engine_id {
+                            kv_headers.push((KV_SOURCE_HEADER, source.clone()));
+                        }
                         hold = p.hold;
                     }
                     Err(e) => {
@@ -190,6 +193,9 @@ pub const KV_BYTES_HEADER: &str = "x-kvroute-kv-transfer-bytes";
 pub const KV_CHECKSUM_HEADER: &str = "x-kvroute-kv-checksum";
 /// Wall time of the pull, in microseconds (included in the TTFT).
 pub const KV_TRANSFER_US_HEADER: &str = "x-kvroute-kv-transfer-us";
+/// The prefill engine the blocks came from (its `remote_engine_id`: `<worker name>-<uuid>`), so an
+/// operator can see which prefill worker served a disaggregated request.
+pub const KV_SOURCE_HEADER: &str = "x-kvroute-kv-source";
 
 /// Which disaggregation leg a request is.
 enum Leg {
