@@ -2,197 +2,59 @@
 //! `kvroute-worker` binary), an in-process sidecar on a real socket, a recording upstream that
 //! answers with canned responses, and a small HTTP client.
 //!
-//! The process handling is a copy of `tests/src/harness/process.rs` (parent-death signal, kill
-//! on drop): depending on `kvroute-tests` would pull the EPP into this crate's test build.
+//! Worker processes and the HTTP client come from the workspace's test harness
+//! (`kvroute-tests`), so process supervision lives in one place.
 
 #![allow(dead_code)]
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full, StreamBody};
+use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Frame, Incoming};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use kvroute_sidecar::config::Config;
 use kvroute_sidecar::server::{serve, App};
+use kvroute_tests::harness::stack::{self, StackOptions, WorkerHandle};
 use tokio::net::TcpListener;
 use tokio::sync::oneshot;
 
+pub use kvroute_tests::harness::client::{
+    get, header, header_list, new_client as client, send, Headers,
+};
+
 pub const MODEL: &str = "Qwen/Qwen3-0.6B";
 
-pub fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."))
-}
-
-pub fn model_dir() -> PathBuf {
-    let dir = std::env::var("KVROUTE_MODEL_DIR")
-        .ok()
-        .filter(|s| !s.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".cache/models/qwen3"));
-    assert!(
-        dir.join("tokenizer.json").exists(),
-        "no tokenizer.json in {}: run ./dev setup (or set KVROUTE_MODEL_DIR)",
-        dir.display()
-    );
-    dir
-}
-
-/// target/<profile>/kvroute-worker; built once if it is missing.
-pub fn worker_bin() -> PathBuf {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let exe = std::env::current_exe().unwrap();
-        let mut dir = exe.parent().unwrap().to_path_buf();
-        if dir.ends_with("deps") {
-            dir.pop();
-        }
-        let p = dir.join("kvroute-worker");
-        if !p.exists() {
-            let status = Command::new(env!("CARGO"))
-                .args(["build", "-p", "kvroute-worker", "--bin", "kvroute-worker"])
-                .current_dir(workspace_root())
-                .status()
-                .expect("running cargo build for kvroute-worker");
-            assert!(status.success(), "building kvroute-worker failed");
-        }
-        p
-    })
-    .clone()
-}
-
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    kvroute_tests::harness::free_port().expect("a free port")
 }
 
-/// A child process killed (SIGTERM, then SIGKILL) on drop.
-pub struct ChildProcess {
-    child: Option<Child>,
-    pub log: PathBuf,
-}
-
-impl ChildProcess {
-    pub fn spawn(name: &str, program: &Path, args: &[String]) -> ChildProcess {
-        let dir =
-            std::env::temp_dir().join(format!("kvroute-sidecar-tests-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let log = dir.join(format!("{name}.log"));
-        let out = std::fs::File::create(&log).unwrap();
-        let err = out.try_clone().unwrap();
-        let mut cmd = Command::new(program);
-        cmd.args(args).stdin(Stdio::null()).stdout(out).stderr(err);
-        // SAFETY: prctl is async-signal-safe; it asks the kernel to signal the child when this
-        // process dies, so no worker outlives a killed test run.
-        unsafe {
-            use std::os::unix::process::CommandExt;
-            cmd.pre_exec(|| {
-                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
-                Ok(())
-            });
-        }
-        let child = cmd.spawn().unwrap();
-        ChildProcess {
-            child: Some(child),
-            log,
-        }
-    }
-
-    pub fn exited(&mut self) -> bool {
-        matches!(
-            self.child.as_mut().map(|c| c.try_wait()),
-            Some(Ok(Some(_))) | None
-        )
-    }
-
-    pub fn log_tail(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for ChildProcess {
-    fn drop(&mut self) {
-        let Some(mut child) = self.child.take() else {
-            return;
-        };
-        // SAFETY: kill(2) on our own child's pid.
-        unsafe {
-            libc::kill(child.id() as i32, libc::SIGTERM);
-        }
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = child.kill();
-        let _ = child.wait();
-    }
-}
-
-/// A running simulated worker.
+/// A running simulated worker (the real `kvroute-worker` binary).
 pub struct Worker {
     pub addr: String,
     pub url: String,
-    pub process: ChildProcess,
+    pub handle: WorkerHandle,
 }
 
 /// Starts `kvroute-worker --engine sim` with `name` and `extra` flags; waits for /health.
 pub async fn start_worker(name: &str, speedup: f64, extra: &[&str]) -> Worker {
-    let addr = format!("127.0.0.1:{}", free_port());
-    let grpc = format!("127.0.0.1:{}", free_port());
-    let mut args: Vec<String> = vec![
-        "--engine".into(),
-        "sim".into(),
-        "--listen".into(),
-        addr.clone(),
-        "--grpc-listen".into(),
-        grpc,
-        "--model".into(),
-        MODEL.into(),
-        "--model-dir".into(),
-        model_dir().display().to_string(),
-        "--name".into(),
-        name.into(),
-        "--speedup".into(),
-        speedup.to_string(),
-        "--kv-blocks".into(),
-        "4096".into(),
-    ];
-    args.extend(extra.iter().map(|s| s.to_string()));
-    let mut process = ChildProcess::spawn(name, &worker_bin(), &args);
-    let url = format!("http://{addr}");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok((200, _, _)) = get(&format!("{url}/health")).await {
-            break;
-        }
-        assert!(
-            !process.exited(),
-            "worker {name} exited:\n{}",
-            process.log_tail()
-        );
-        assert!(
-            Instant::now() < deadline,
-            "worker {name} not healthy:\n{}",
-            process.log_tail()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let opts = StackOptions {
+        speedup,
+        log_dir: std::env::temp_dir().join(format!("kvroute-sidecar-tests-{}", std::process::id())),
+        ..StackOptions::default()
+    };
+    let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+    let handle = stack::start_worker(name, &opts, &extra)
+        .await
+        .expect("worker starts");
+    Worker {
+        addr: handle.http.clone(),
+        url: format!("http://{}", handle.http),
+        handle,
     }
-    Worker { addr, url, process }
 }
 
 /// An in-process sidecar on a real socket; stopped on drop.
@@ -239,61 +101,13 @@ pub fn config(engines: &[String]) -> Config {
 
 // ---------------------------------------------------------------- HTTP client helpers
 
-pub type HttpClient = Client<hyper_util::client::legacy::connect::HttpConnector, Full<Bytes>>;
-
-pub fn client() -> HttpClient {
-    Client::builder(TokioExecutor::new()).build_http()
-}
-
-pub type Headers = Vec<(String, String)>;
-
-fn header_list(h: &hyper::HeaderMap) -> Headers {
-    h.iter()
-        .map(|(k, v)| {
-            (
-                k.as_str().to_string(),
-                String::from_utf8_lossy(v.as_bytes()).into_owned(),
-            )
-        })
-        .collect()
-}
-
-pub fn header<'a>(headers: &'a Headers, name: &str) -> Option<&'a str> {
-    headers
-        .iter()
-        .find(|(k, _)| k.eq_ignore_ascii_case(name))
-        .map(|(_, v)| v.as_str())
-}
-
-pub async fn get(url: &str) -> anyhow::Result<(u16, Headers, Bytes)> {
-    request("GET", url, &[], Bytes::new()).await
-}
-
-pub async fn send(
-    c: &HttpClient,
-    method: &str,
-    url: &str,
-    headers: &[(&str, &str)],
-    body: impl Into<Bytes>,
-) -> anyhow::Result<hyper::Response<Incoming>> {
-    let mut req = hyper::Request::builder().method(method).uri(url);
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    Ok(c.request(req.body(Full::new(body.into()))?).await?)
-}
-
 pub async fn request(
     method: &str,
     url: &str,
     headers: &[(&str, &str)],
     body: impl Into<Bytes>,
 ) -> anyhow::Result<(u16, Headers, Bytes)> {
-    let resp = send(&client(), method, url, headers, body).await?;
-    let status = resp.status().as_u16();
-    let h = header_list(resp.headers());
-    let body = resp.into_body().collect().await?.to_bytes();
-    Ok((status, h, body))
+    kvroute_tests::harness::client::request(&client(), method, url, headers, body).await
 }
 
 pub async fn post_json(

@@ -14,7 +14,7 @@ pub fn new_client() -> HttpClient {
 
 pub type Headers = Vec<(String, String)>;
 
-fn header_list(h: &hyper::HeaderMap) -> Headers {
+pub fn header_list(h: &hyper::HeaderMap) -> Headers {
     h.iter()
         .map(|(k, v)| {
             (
