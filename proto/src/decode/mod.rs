@@ -128,7 +128,7 @@ pub enum DecodeError {
         len: usize,
         expected: &'static str,
     },
-    #[error("{path}: missing required field `{field}`")]
+    #[error("{path}: missing required field `{field}` (absent or nil)")]
     MissingField { path: String, field: &'static str },
     #[error("{path}: unknown event type {tag:?} (expected BlockStored, BlockRemoved or AllBlocksCleared)")]
     UnknownEventType { path: String, tag: String },

@@ -341,47 +341,55 @@ fn decode_stored(
             blocks: block_hashes.len(),
         });
     }
-    // Check sizes before chunking (validate also rejects block_size 0).
     let invalid = |source: EventError| DecodeError::InvalidEvent {
         path: format!("events[{ev}]"),
         source,
     };
-    let matches = (block_hashes.len() as u128) * u128::from(block_size) == token_ids.len() as u128;
-    if block_size == 0 || !matches {
-        let probe = KvEventData::Stored {
-            parent_hash,
-            blocks: Vec::new(),
-            token_ids: Vec::new(),
-            block_size,
-            lora_name: None,
-            cache_salt: None,
-        };
-        probe.validate().map_err(invalid)?;
+    // `validate` multiplies blocks by block_size; rule out an overflow first (it would need a
+    // payload of more than 4 GiB, but the decoder must not be the one to panic).
+    if block_hashes
+        .len()
+        .checked_mul(block_size as usize)
+        .is_none()
+    {
         return Err(invalid(EventError::TokenCountMismatch {
             tokens: token_ids.len(),
             blocks: block_hashes.len(),
             block_size,
         }));
     }
-    let seed = namespace_seed(lora_name, cache_salt);
-    let blocks = block_hashes
-        .iter()
-        .zip(token_ids.chunks_exact(block_size as usize))
-        .map(|(&block_hash, toks)| StoredBlock {
-            block_hash,
-            tokens_hash: local_block_hash(toks, seed),
-        })
-        .collect();
-    let data = KvEventData::Stored {
+    let mut data = KvEventData::Stored {
         parent_hash,
-        blocks,
+        blocks: block_hashes
+            .iter()
+            .map(|&block_hash| StoredBlock {
+                block_hash,
+                tokens_hash: 0, // filled below, once the sizes are known to agree
+            })
+            .collect(),
         token_ids,
         block_size,
         lora_name: lora_name.map(str::to_owned),
         cache_salt: cache_salt.map(str::to_owned),
     };
-    // The invariant every decoder must guarantee (DESIGN contract 4), checked on the real value.
+    // The invariant every decoder must guarantee (DESIGN contract 4): block_size > 0 and
+    // token_ids.len() == blocks × block_size.
     data.validate().map_err(invalid)?;
+    if let KvEventData::Stored {
+        blocks,
+        token_ids,
+        block_size,
+        ..
+    } = &mut data
+    {
+        let seed = namespace_seed(lora_name, cache_salt);
+        for (block, toks) in blocks
+            .iter_mut()
+            .zip(token_ids.chunks_exact(*block_size as usize))
+        {
+            block.tokens_hash = local_block_hash(toks, seed);
+        }
+    }
     Ok(Some((data, tier)))
 }
 
