@@ -291,6 +291,38 @@ async fn ext_proc_message_sequences() -> anyhow::Result<()> {
     );
     drop(s);
 
+    // 3b. BUFFERED with trailers (HTTP/2 clients): the body reply carries the mutation, then
+    //     the trailers reply; never a second headers reply.
+    let mut s = Stream::open(&mut client).await?;
+    s.request_headers(
+        &[(":method", "POST"), (":path", CHAT)],
+        false,
+        BUFFERED,
+        None,
+    )
+    .await?;
+    assert!(matches!(
+        next(&mut s).await.response,
+        Some(processing_response::Response::RequestHeaders(_))
+    ));
+    s.request_body(&chat_body(3, 100), false).await?;
+    s.request_trailers().await?;
+    let b = next(&mut s).await;
+    assert!(
+        matches!(
+            b.response,
+            Some(processing_response::Response::RequestBody(_))
+        ),
+        "{b:?}"
+    );
+    assert!(set_headers(common(&b).expect("body reply")).contains_key(DEST));
+    let t = next(&mut s).await;
+    assert!(matches!(
+        t.response,
+        Some(processing_response::Response::RequestTrailers(_))
+    ));
+    drop(s);
+
     // 4. Body-less request: answered at once.
     let mut s = Stream::open(&mut client).await?;
     s.request_headers(

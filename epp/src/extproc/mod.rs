@@ -153,8 +153,7 @@ impl StreamHandler {
             Some(processing_request::Request::RequestHeaders(h)) => {
                 self.read_request_headers(h.headers.as_ref());
                 self.meta.subset = metadata_strings(metadata, SUBSET_NAMESPACE, SUBSET_KEY);
-                if h.end_of_stream || self.request_body_mode == BODY_NONE || !self.body_aware_mode()
-                {
+                if h.end_of_stream || !self.body_aware_mode() {
                     // No body to read (or a mode in which we never see it before forwarding).
                     return self.decide_and_reply(false).await;
                 }
@@ -185,8 +184,11 @@ impl StreamHandler {
             }
             Some(processing_request::Request::RequestTrailers(_)) => {
                 if !self.decided {
-                    // A body that ended with trailers: route now, body chunks without eos.
-                    self.decide_and_reply(false).await?;
+                    // A body that ended with trailers: route now. FULL_DUPLEX_STREAMED: the
+                    // headers reply, then the body chunks without eos. BUFFERED: the body reply
+                    // (our headers reply went out already) carries the mutation.
+                    let buffered = self.request_body_mode == BODY_BUFFERED;
+                    self.decide_and_reply(buffered).await?;
                 }
                 self.send(trailers_response(false)).await
             }
