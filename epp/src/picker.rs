@@ -136,12 +136,26 @@ impl Rejection {
 /// What the gateway told us about the request, besides its body.
 #[derive(Debug, Clone, Default)]
 pub struct RequestMeta {
+    /// `x-request-id` (generated when missing): the request's identity in logs and headers.
     pub request_id: String,
+    /// The load-ledger key: unique per ext_proc stream, so two requests reusing one client-sent
+    /// `x-request-id` cannot overwrite each other's booking. Defaults to `request_id` if empty.
+    pub booking_id: String,
     pub path: String,
     /// `envoy.lb.subset_hint` endpoints; `Some(empty)` means "nothing is allowed".
     pub subset: Option<Vec<String>>,
     /// The conformance test-EPP header `test-epp-endpoint-selection`, when enabled.
     pub test_selection: Option<Vec<String>>,
+}
+
+impl RequestMeta {
+    pub fn booking_key(&self) -> &str {
+        if self.booking_id.is_empty() {
+            &self.request_id
+        } else {
+            &self.booking_id
+        }
+    }
 }
 
 pub struct Picker {
@@ -449,13 +463,13 @@ impl Picker {
         let p_overlap = prefill.cands[p_idx].overlap_blocks;
         let cached = (u64::from(p_overlap) * u64::from(self.cfg.block_size)).min(tokens);
         self.ledger.book(
-            &prefill_booking(&meta.request_id),
+            &prefill_booking(meta.booking_key()),
             p_key,
             tokens - cached,
             0,
         );
         self.ledger
-            .book(&meta.request_id, chosen.key, 0, shape.request_blocks());
+            .book(meta.booking_key(), chosen.key, 0, shape.request_blocks());
         if !positions.is_empty() {
             // Both hold the prompt's KV once the transfer is done.
             self.speculative.record(&positions, p_key);
@@ -504,7 +518,7 @@ impl Picker {
         let bs = u64::from(self.cfg.block_size);
         let cached = (u64::from(chosen.overlap_blocks) * bs).min(shape.isl_tokens);
         self.ledger.book(
-            &meta.request_id,
+            meta.booking_key(),
             chosen.key,
             shape.isl_tokens - cached,
             shape.request_blocks(),

@@ -32,6 +32,9 @@ const BODY_NONE: i32 = 0;
 const BODY_BUFFERED: i32 = 2;
 const BODY_FULL_DUPLEX: i32 = 4;
 
+/// Numbers ext_proc streams, to key their bookings uniquely.
+static NEXT_STREAM: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Bodies above this are scored on the blocking pool: tokenizing them takes milliseconds.
 const INLINE_PICK_MAX_BYTES: usize = 8 * 1024;
 
@@ -208,11 +211,13 @@ impl StreamHandler {
             Some(processing_request::Request::ResponseBody(b)) => {
                 if !self.saw_response_body {
                     self.saw_response_body = true;
-                    self.picker.ledger.mark_prefill_done(&self.meta.request_id);
+                    self.picker
+                        .ledger
+                        .mark_prefill_done(self.meta.booking_key());
                     // The prefill leg is over once the decode side answers.
                     self.picker
                         .ledger
-                        .release(&prefill_booking(&self.meta.request_id));
+                        .release(&prefill_booking(self.meta.booking_key()));
                 }
                 let eos = b.end_of_stream;
                 let reply = if self.response_body_mode == BODY_FULL_DUPLEX {
@@ -269,6 +274,11 @@ impl StreamHandler {
             self.request_id_generated = true;
             uuid::Uuid::new_v4().to_string()
         });
+        self.meta.booking_id = format!(
+            "{}/{}",
+            self.meta.request_id,
+            NEXT_STREAM.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        );
     }
 
     async fn decide_and_reply(&mut self, body_complete: bool) -> Result<(), &'static str> {
@@ -397,7 +407,7 @@ impl StreamHandler {
     }
 
     fn credit_served(&self, served: &str) {
-        let Some(booked) = self.picker.ledger.booked_worker(&self.meta.request_id) else {
+        let Some(booked) = self.picker.ledger.booked_worker(self.meta.booking_key()) else {
             return;
         };
         if let Some(w) = self.picker.pool.by_destination(served) {
@@ -409,7 +419,7 @@ impl StreamHandler {
                 };
                 self.picker
                     .ledger
-                    .move_booking(&self.meta.request_id, (w.id(), rank));
+                    .move_booking(self.meta.booking_key(), (w.id(), rank));
                 tracing::debug!(request_id = %self.meta.request_id, served, "gateway served another endpoint; booking moved");
             }
         }
@@ -417,10 +427,10 @@ impl StreamHandler {
 
     fn release(&mut self) {
         if let Some(model) = self.booked_model.take() {
-            self.picker.ledger.release(&self.meta.request_id);
+            self.picker.ledger.release(self.meta.booking_key());
             self.picker
                 .ledger
-                .release(&prefill_booking(&self.meta.request_id));
+                .release(&prefill_booking(self.meta.booking_key()));
             self.picker
                 .metrics
                 .running_requests
