@@ -3,3 +3,4 @@
 //! `tests/tests/` and by `kvroute-stack`, the process behind `./dev up`.
 
 pub mod harness;
+pub mod index_bench;

@@ -1,35 +1,30 @@
-//! Hashing helpers the index owns: the bucket locator chain and a cheap hasher for maps keyed
-//! by values that are already hashes.
+//! Hashing helpers the index owns: the child table's bucket function and a cheap hasher for
+//! maps keyed by values that are already hashes.
 //!
-//! Neither is part of the index's *answers*: a table slot is matched on its exact
-//! `(parent slot, content hash)` pair, so the locator only decides where to look. It must be
-//! fast (it is on the lookup's critical path once per block) and spread well; a collision only
-//! costs a longer probe.
+//! Neither is part of the index's *answers*: a child-table slot is matched on its exact
+//! `(segment, offset, content hash)` key, so the bucket function only decides where to look; a
+//! collision only costs a longer probe.
 
 use std::hash::{BuildHasherDefault, Hasher};
-
-/// The locator of the virtual root (position 0's parent).
-pub(crate) const ROOT_LOCATOR: u64 = 0x243f_6a88_85a3_08d3;
 
 const K1: u64 = 0x9e37_79b9_7f4a_7c15;
 const K2: u64 = 0xbf58_476d_1ce4_e5b9;
 
-/// 64x64->128 multiply folded to 64 bits (the wyhash/foldhash "mum"): non-linear, so locators of
-/// crafted paths cannot be made to collide by linear algebra over the content hashes (which a
-/// rotate-xor chain would allow).
+/// 64x64->128 multiply folded to 64 bits (the wyhash/foldhash "mum"): non-linear, so crafted
+/// keys cannot be made to collide by linear algebra over the content hashes.
 #[inline(always)]
 fn fold_mul(a: u64, b: u64) -> u64 {
     let full = (a as u128).wrapping_mul(b as u128);
     (full as u64) ^ ((full >> 64) as u64)
 }
 
-/// Locator of the block with content `content` under a block whose locator is `parent`.
+/// Mix of a packed key and a content hash (the child table's probe start).
 #[inline(always)]
 pub(crate) fn step(parent: u64, content: u64) -> u64 {
     fold_mul(parent ^ content, K1)
 }
 
-/// Home bucket of a locator in a table of `1 << bits` slots.
+/// Home bucket of a mixed key in a table of `1 << (64 - shift)` slots.
 #[inline(always)]
 pub(crate) fn bucket(locator: u64, shift: u32) -> usize {
     (locator.wrapping_mul(K2) >> shift) as usize
@@ -75,11 +70,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn step_depends_on_parent_and_content_order() {
-        let a = step(step(ROOT_LOCATOR, 1), 2);
-        let b = step(step(ROOT_LOCATOR, 2), 1);
-        assert_ne!(a, b);
-        assert_ne!(step(ROOT_LOCATOR, 1), step(step(ROOT_LOCATOR, 1), 1));
+    fn step_depends_on_key_and_content_order() {
+        assert_ne!(step(step(7, 1), 2), step(step(7, 2), 1));
+        assert_ne!(step(7, 1), step(step(7, 1), 1));
     }
 
     #[test]
@@ -87,7 +80,7 @@ mod tests {
         let shift = 64 - 10;
         let mut seen = std::collections::HashSet::new();
         for i in 0..256u64 {
-            seen.insert(bucket(step(ROOT_LOCATOR, i), shift));
+            seen.insert(bucket(step(0, i), shift));
         }
         assert!(seen.len() > 200, "only {} distinct buckets", seen.len());
     }

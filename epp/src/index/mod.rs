@@ -44,18 +44,18 @@
 
 pub mod hash;
 pub mod reference;
-mod table;
+mod segments;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use kvroute_proto::events::{KvEventData, StoredBlock};
 use parking_lot::{Mutex, RwLock};
 
-use hash::{step, MixBuild, ROOT_LOCATOR};
-use table::{Table, ROOT};
+use hash::MixBuild;
+use segments::{Gen, Seg, GONE, MIN_CAP, ROOT_SEG};
 
 /// A worker as the index knows it: `(worker_id, dp_rank)`.
 pub type WorkerKey = (u64, u32);
@@ -63,10 +63,10 @@ pub type WorkerKey = (u64, u32);
 /// Most `(worker, dp rank)` pairs registered at once.
 pub const MAX_WORKER_SLOTS: usize = 1024;
 const MAX_WIDTH: usize = MAX_WORKER_SLOTS / 64;
-/// Initial table capacity (slots); the table grows by rebuilding.
-const INITIAL_CAPACITY: usize = 1 << 14;
-/// Locators computed (and their slots prefetched) ahead of the probe in a lookup.
-const AHEAD: usize = 8;
+/// Initial child-table capacity; it grows at compactions.
+const INITIAL_CHILDREN: usize = 1 << 12;
+/// Arena slack before the first compaction, and added to twice the kept size after each.
+const COMPACT_SLACK: usize = 1 << 20;
 
 /// Per-worker matched depth: consecutive blocks from block 0 held, for workers with depth > 0.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -90,9 +90,11 @@ pub fn overlap_of(scores: &OverlapScores, worker: WorkerKey) -> u32 {
 pub struct IndexStats {
     /// Blocks held, summed over workers (a block two workers hold counts twice).
     pub blocks: usize,
-    /// Table slots in use: distinct positions, plus dead ones awaiting the next rebuild.
-    pub slots_used: usize,
-    pub table_capacity: usize,
+    /// Block positions allocated in the arena: live, dead (awaiting compaction) and the room
+    /// segments keep for appends.
+    pub arena_blocks: usize,
+    /// Segments (runs of consecutive chain positions) allocated.
+    pub segments: usize,
     /// Registered `(worker, dp rank)` pairs.
     pub workers: usize,
     /// Approximate heap bytes: the table plus the per-worker engine-hash maps.
@@ -101,8 +103,8 @@ pub struct IndexStats {
     pub rejected_stores: u64,
     /// Removed hashes the worker did not hold (or removals for unknown workers).
     pub unknown_removals: u64,
-    /// Table rebuilds so far.
-    pub rebuilds: u64,
+    /// Compactions (dead blocks dropped, child table grown, holder words widened) so far.
+    pub compactions: u64,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -122,10 +124,19 @@ struct Lane {
     /// Which worker owns this slot now; a writer that resolved the slot before a removal sees
     /// the change here and resolves again instead of writing into a freed slot.
     owner: Option<WorkerKey>,
-    /// Engine block hash -> table slot. Removals and parent links resolve through it.
-    engine: HashMap<u64, u32, MixBuild>,
+    /// Engine block hash -> block location (`segment << 32 | offset`). Removals and parent
+    /// links resolve through it.
+    engine: HashMap<u64, u64, MixBuild>,
     /// Positions whose holder bit this worker has set.
     held: usize,
+}
+
+fn loc(seg: u32, off: u32) -> u64 {
+    ((seg as u64) << 32) | off as u64
+}
+
+fn unloc(at: u64) -> (u32, u32) {
+    ((at >> 32) as u32, at as u32)
 }
 
 /// Worker registration, published as an immutable snapshot so that lookups and writers resolve
@@ -146,15 +157,19 @@ struct Admin {
 
 /// The concurrent KV index. `Send + Sync`; share it through an `Arc`.
 pub struct KvIndex {
-    table: ArcSwap<Table>,
-    /// Writers hold it shared for one event; a rebuild holds it exclusively.
+    gen: ArcSwap<Gen>,
+    /// Writers hold it shared for one event; a compaction holds it exclusively.
     gate: RwLock<()>,
+    /// Arena size past which the next store compacts.
+    compact_at: AtomicUsize,
+    /// Arena blocks allowed past twice the kept size before compacting again.
+    slack: usize,
     registry: ArcSwap<Registry>,
     admin: Mutex<Admin>,
     lanes: Box<[Mutex<Lane>]>,
     rejected_stores: AtomicU64,
     unknown_removals: AtomicU64,
-    rebuilds: AtomicU64,
+    compactions: AtomicU64,
 }
 
 impl Default for KvIndex {
@@ -163,11 +178,26 @@ impl Default for KvIndex {
     }
 }
 
+/// Why a store must leave the gate and compact first.
+enum NeedCompaction {
+    Width(usize),
+    Room,
+}
+
 impl KvIndex {
     pub fn new() -> Self {
+        Self::with_compaction_slack(COMPACT_SLACK)
+    }
+
+    /// An index that compacts once its arena passes twice the blocks kept at the last
+    /// compaction plus `slack` blocks (default 1 Mi blocks, 16 MiB at 64 workers). Small values
+    /// trade CPU for memory; tests use them to compact often.
+    pub fn with_compaction_slack(slack: usize) -> Self {
         KvIndex {
-            table: ArcSwap::from_pointee(Table::new(INITIAL_CAPACITY, 1)),
+            gen: ArcSwap::from_pointee(Gen::new(1, INITIAL_CHILDREN)),
             gate: RwLock::new(()),
+            compact_at: AtomicUsize::new(slack),
+            slack,
             registry: ArcSwap::from_pointee(Registry::default()),
             admin: Mutex::new(Admin::default()),
             lanes: (0..MAX_WORKER_SLOTS)
@@ -175,7 +205,7 @@ impl KvIndex {
                 .collect(),
             rejected_stores: AtomicU64::new(0),
             unknown_removals: AtomicU64::new(0),
-            rebuilds: AtomicU64::new(0),
+            compactions: AtomicU64::new(0),
         }
     }
 
@@ -211,35 +241,50 @@ impl KvIndex {
         if blocks.is_empty() {
             return Ok(());
         }
+        let need = blocks.len();
         loop {
             let bit = self.register(worker)?;
             let gate = self.gate.read();
-            let table = self.table.load();
-            let need = blocks.len();
-            if (bit as usize) >= table.width() * 64
-                || table.reserved.fetch_add(need, Ordering::Relaxed) + need > table.limit
+            let gen = self.gen.load();
+            let need_compaction = if (bit as usize) >= gen.width * 64 {
+                Some(NeedCompaction::Width(bit as usize / 64 + 1))
+            } else if gen.arena_blocks() + need + MIN_CAP > self.compact_at.load(Ordering::Relaxed)
+                || gen.segments() + need >= segments::MAX_SEGMENTS
             {
-                if (bit as usize) < table.width() * 64 {
-                    table.reserved.fetch_sub(need, Ordering::Relaxed);
-                }
-                drop(table);
+                Some(NeedCompaction::Room)
+            } else if gen.children.reserved.fetch_add(need, Ordering::Relaxed) + need
+                > gen.children.limit
+            {
+                gen.children.reserved.fetch_sub(need, Ordering::Relaxed);
+                Some(NeedCompaction::Room)
+            } else {
+                None
+            };
+            if let Some(why) = need_compaction {
+                drop(gen);
                 drop(gate);
-                self.rebuild(need, bit as usize / 64 + 1);
+                let width = match why {
+                    NeedCompaction::Width(width) => width,
+                    NeedCompaction::Room => 0,
+                };
+                self.compact(need, width);
                 continue;
             }
             let mut lane = self.lanes[bit as usize].lock();
             if lane.owner != Some(worker) {
                 // The worker was removed (or is being removed) since we resolved its slot.
                 drop(lane);
-                table.reserved.fetch_sub(need, Ordering::Relaxed);
-                drop(table);
+                gen.children.reserved.fetch_sub(need, Ordering::Relaxed);
+                drop(gen);
                 drop(gate);
                 std::thread::yield_now();
                 continue;
             }
-            let mut inserted = 0usize;
-            let result = store_locked(&table, &mut lane, bit, parent, blocks, &mut inserted);
-            table.reserved.fetch_sub(need - inserted, Ordering::Relaxed);
+            let mut children = 0usize;
+            let result = store_locked(&gen, &mut lane, bit, parent, blocks, &mut children);
+            gen.children
+                .reserved
+                .fetch_sub(need - children, Ordering::Relaxed);
             return match result {
                 Ok(()) => Ok(()),
                 Err(parent) => {
@@ -258,7 +303,7 @@ impl KvIndex {
             return;
         };
         let _gate = self.gate.read();
-        let table = self.table.load();
+        let gen = self.gen.load();
         let mut lane = self.lanes[bit as usize].lock();
         if lane.owner != Some(worker) {
             self.unknown_removals
@@ -269,11 +314,7 @@ impl KvIndex {
         let mut released = 0usize;
         for hash in block_hashes {
             match lane.engine.remove(hash) {
-                Some(slot) => {
-                    if table.clear_bit(slot, bit) {
-                        released += 1;
-                    }
-                }
+                Some(at) => released += clear_bit(&gen, at, bit) as usize,
                 None => unknown += 1,
             }
         }
@@ -290,10 +331,10 @@ impl KvIndex {
             return;
         };
         let _gate = self.gate.read();
-        let table = self.table.load();
+        let gen = self.gen.load();
         let mut lane = self.lanes[bit as usize].lock();
         if lane.owner == Some(worker) {
-            clear_lane(&table, &mut lane, bit);
+            clear_lane(&gen, &mut lane, bit);
         }
     }
 
@@ -309,12 +350,12 @@ impl KvIndex {
         for (key, bit) in ranks {
             {
                 let _gate = self.gate.read();
-                let table = self.table.load();
+                let gen = self.gen.load();
                 let mut lane = self.lanes[bit as usize].lock();
                 if lane.owner != Some(key) {
                     continue;
                 }
-                clear_lane(&table, &mut lane, bit);
+                clear_lane(&gen, &mut lane, bit);
                 lane.owner = None;
                 lane.engine = HashMap::default();
             }
@@ -343,16 +384,20 @@ impl KvIndex {
     /// particular order; allocates nothing once the buffer has room.
     pub fn find_matches_into(&self, local_hashes: &[u64], out: &mut Vec<(WorkerKey, u32)>) {
         out.clear();
-        let n = local_hashes.len();
-        if n == 0 {
+        let Some(&first) = local_hashes.first() else {
             return;
-        }
-        let table = self.table.load();
-        let width = table.width();
+        };
+        let gen = self.gen.load();
+        let Some(mut seg_id) = gen.children.find(ROOT_SEG, 0, first) else {
+            return;
+        };
+        let width = gen.width;
+        let stride = gen.stride();
+        let n = local_hashes.len();
         let mut alive = [0u64; MAX_WIDTH];
         alive[..width].fill(u64::MAX);
         let mut registry = None;
-        let mut report = |bits: &[u64], depth: u32, out: &mut Vec<(WorkerKey, u32)>| {
+        let mut report = |bits: &[u64], depth: usize, out: &mut Vec<(WorkerKey, u32)>| {
             if depth == 0 {
                 return;
             }
@@ -363,62 +408,86 @@ impl KvIndex {
                     let bit = w * 64 + word.trailing_zeros() as usize;
                     word &= word - 1;
                     if let Some(Some(key)) = registry.by_slot.get(bit) {
-                        out.push((*key, depth));
+                        out.push((*key, depth as u32));
                     }
                 }
             }
         };
-
-        // Locators of the next AHEAD positions, their home slots prefetched.
-        let mut ring = [0u64; AHEAD];
-        let mut ahead = ROOT_LOCATOR;
-        let mut computed = 0usize;
-        while computed < n.min(AHEAD) {
-            ahead = step(ahead, local_hashes[computed]);
-            ring[computed % AHEAD] = ahead;
-            table.prefetch(ahead);
-            computed += 1;
-        }
-        let mut parent = ROOT;
-        let mut position = 0usize;
-        while position < n {
-            let locator = ring[position % AHEAD];
-            if computed < n {
-                ahead = step(ahead, local_hashes[computed]);
-                ring[computed % AHEAD] = ahead;
-                table.prefetch(ahead);
-                computed += 1;
+        let mut pos = 0usize;
+        let mut off = 0usize;
+        loop {
+            let seg: &Seg = gen.seg(seg_id);
+            let len = seg.len.load(Ordering::Acquire) as usize;
+            let words = gen.words(seg);
+            // Clamp against a torn view; never index past the segment.
+            let len = len.min(words.len() / stride);
+            if width == 1 {
+                // The common case (up to 64 worker slots): two words per block, read in order.
+                let mut alive0 = alive[0];
+                while off < len && pos < n {
+                    let at = off * 2;
+                    if words[at].load(Ordering::Relaxed) != local_hashes[pos] {
+                        break;
+                    }
+                    let held = words[at + 1].load(Ordering::Acquire);
+                    let dropped = alive0 & !held;
+                    if dropped != 0 {
+                        report(&[dropped], pos, out);
+                        alive0 &= held;
+                        if alive0 == 0 {
+                            return;
+                        }
+                    }
+                    off += 1;
+                    pos += 1;
+                }
+                alive[0] = alive0;
+            } else {
+                while off < len && pos < n {
+                    let at = off * stride;
+                    if words[at].load(Ordering::Relaxed) != local_hashes[pos] {
+                        break;
+                    }
+                    let mut dropped = [0u64; MAX_WIDTH];
+                    let mut any_dropped = 0;
+                    let mut any_alive = 0;
+                    for w in 0..width {
+                        let held = words[at + 1 + w].load(Ordering::Acquire);
+                        dropped[w] = alive[w] & !held;
+                        alive[w] &= held;
+                        any_dropped |= dropped[w];
+                        any_alive |= alive[w];
+                    }
+                    if any_dropped != 0 {
+                        report(&dropped[..width], pos, out);
+                    }
+                    if any_alive == 0 {
+                        return;
+                    }
+                    off += 1;
+                    pos += 1;
+                }
             }
-            let Some(slot) = table.find(locator, local_hashes[position], parent) else {
+            if pos == n {
                 break;
-            };
-            let mut dropped = [0u64; MAX_WIDTH];
-            let mut any_alive = 0u64;
-            let mut any_dropped = 0u64;
-            for w in 0..width {
-                let held = table.holder_word(slot, w);
-                dropped[w] = alive[w] & !held;
-                alive[w] &= held;
-                any_alive |= alive[w];
-                any_dropped |= dropped[w];
             }
-            if any_dropped != 0 {
-                report(&dropped[..width], position as u32, out);
+            // The request leaves this segment here: a child continues it or nothing does.
+            match gen.children.find(seg_id, off as u32, local_hashes[pos]) {
+                Some(child) => {
+                    seg_id = child;
+                    off = 0;
+                }
+                None => break,
             }
-            if any_alive == 0 {
-                return;
-            }
-            parent = slot;
-            position += 1;
         }
-        report(&alive[..width], position as u32, out);
+        report(&alive[..width], pos, out);
     }
 
     pub fn stats(&self) -> IndexStats {
-        let table = self.table.load();
+        let gen = self.gen.load();
         let registry = self.registry.load();
         let mut blocks = 0usize;
-        let mut bytes = table.bytes();
+        let mut bytes = gen.bytes();
         for &bit in registry.by_key.values() {
             let lane = self.lanes[bit as usize].lock();
             blocks += lane.held;
@@ -427,13 +496,13 @@ impl KvIndex {
         }
         IndexStats {
             blocks,
-            slots_used: table.used(),
-            table_capacity: table.capacity(),
+            arena_blocks: gen.arena_blocks(),
+            segments: gen.segments(),
             workers: registry.by_key.len(),
             bytes,
             rejected_stores: self.rejected_stores.load(Ordering::Relaxed),
             unknown_removals: self.unknown_removals.load(Ordering::Relaxed),
-            rebuilds: self.rebuilds.load(Ordering::Relaxed),
+            compactions: self.compactions.load(Ordering::Relaxed),
         }
     }
 
@@ -481,70 +550,211 @@ impl KvIndex {
         Ok(bit)
     }
 
-    /// Rebuild the table with room for `extra` more slots and at least `width` holder words:
-    /// drop dead slots, remap every worker's engine map. Excludes writers; readers go on.
-    fn rebuild(&self, extra: usize, width: usize) {
+    /// Build the next generation (dead blocks dropped, room for a store of `extra` blocks, at
+    /// least `width` holder words) and remap every worker's engine map. Excludes writers;
+    /// readers go on with the old generation until the new one is published.
+    fn compact(&self, extra: usize, width: usize) {
         let _gate = self.gate.write();
-        let old = self.table.load_full();
-        let width = width.max(old.width()).min(MAX_WIDTH);
-        let room = old.reserved.load(Ordering::Relaxed) + extra <= old.limit;
-        if room && width == old.width() {
-            // Another writer rebuilt while we waited for the gate.
+        let old = self.gen.load_full();
+        let width = width.max(old.width).min(MAX_WIDTH);
+        let room = old.arena_blocks() + extra + MIN_CAP <= self.compact_at.load(Ordering::Relaxed)
+            && old.segments() + extra < segments::MAX_SEGMENTS
+            && old.children.reserved.load(Ordering::Relaxed) + extra <= old.children.limit;
+        if room && width == old.width {
+            // Another writer compacted while we waited for the gate.
             return;
         }
         let mut lanes: Vec<_> = self.lanes.iter().map(|lane| lane.lock()).collect();
-        let pinned: Vec<u32> = lanes
+        let pinned = lanes
             .iter()
-            .flat_map(|lane| lane.engine.values().copied())
-            .collect();
-        let (table, remap) = old.rebuild(&pinned, width, extra);
+            .flat_map(|lane| lane.engine.values().map(|&at| unloc(at)))
+            .collect::<Vec<_>>();
+        let (gen, remap) = old.compact(pinned.into_iter(), width, extra);
         for lane in lanes.iter_mut() {
-            for slot in lane.engine.values_mut() {
-                *slot = remap[*slot as usize];
+            for at in lane.engine.values_mut() {
+                let (seg, off) = unloc(*at);
+                let seg = remap.get(seg as usize).copied().unwrap_or(GONE);
+                // Every pinned location survives by construction.
+                debug_assert_ne!(seg, GONE);
+                *at = loc(seg, off);
             }
         }
-        self.table.store(Arc::new(table));
-        self.rebuilds.fetch_add(1, Ordering::Relaxed);
+        self.compact_at.store(
+            gen.arena_blocks() * 2 + 2 * (extra + MIN_CAP) + self.slack,
+            Ordering::Relaxed,
+        );
+        self.gen.store(Arc::new(gen));
+        self.compactions.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// Clear worker slot `bit` at a block; true when it was set.
+#[inline]
+fn clear_bit(gen: &Gen, at: u64, bit: u32) -> bool {
+    let (seg, off) = unloc(at);
+    let words = gen.words(gen.seg(seg));
+    let index = off as usize * gen.stride() + 1 + (bit >> 6) as usize;
+    let mask = 1u64 << (bit & 63);
+    words
+        .get(index)
+        .is_some_and(|word| word.fetch_and(!mask, Ordering::Release) & mask != 0)
+}
+
+/// Set worker slot `bit` at a block; true when it was clear.
+#[inline]
+fn set_bit(gen: &Gen, at: u64, bit: u32) -> bool {
+    let (seg, off) = unloc(at);
+    let words = gen.words(gen.seg(seg));
+    let index = off as usize * gen.stride() + 1 + (bit >> 6) as usize;
+    let mask = 1u64 << (bit & 63);
+    words
+        .get(index)
+        .is_some_and(|word| word.fetch_or(mask, Ordering::Release) & mask == 0)
+}
+
+/// Record `engine -> at` for the worker; a hash re-used at another position releases the old.
+#[inline]
+fn bind(gen: &Gen, lane: &mut Lane, bit: u32, engine: u64, at: u64) {
+    if let Some(old) = lane.engine.insert(engine, at) {
+        if old != at && clear_bit(gen, old, bit) {
+            lane.held -= 1;
+        }
+    }
+}
+
+/// Capacity of a new segment for a store with `remaining` blocks still to place.
+fn cap_for(remaining: usize) -> usize {
+    (remaining + MIN_CAP).next_power_of_two()
+}
+
+/// The child segment continuing `(seg, k)` with `content`, created if absent (block 0 written,
+/// no holder yet). Counts creations in `children`.
+fn child(gen: &Gen, seg: u32, k: u32, content: u64, remaining: usize, children: &mut usize) -> u32 {
+    if let Some(child) = gen.children.find(seg, k, content) {
+        return child;
+    }
+    let parent_off = k.saturating_sub(1);
+    let Some(id) = gen.alloc_seg(seg, parent_off, cap_for(remaining)) else {
+        // Arena address space exhausted (compaction keeps this from happening): fall back to
+        // waiting for whoever holds the slot, which find_or_insert does.
+        return gen.children.find_or_insert(seg, k, content, || ROOT_SEG).0;
+    };
+    let target = gen.seg(id);
+    let words = gen.words(target);
+    if let Some(word) = words.first() {
+        word.store(content, Ordering::Relaxed);
+    }
+    target.len.store(1, Ordering::Release);
+    let (child, created) = gen.children.find_or_insert(seg, k, content, || id);
+    // A lost race leaves `id` unreachable and unheld; the next compaction drops it.
+    *children += created as usize;
+    child
 }
 
 /// Store a chain under the lane's lock. Returns the unknown parent hash on rejection.
 fn store_locked(
-    table: &Table,
+    gen: &Gen,
     lane: &mut Lane,
     bit: u32,
     parent: Option<u64>,
     blocks: &[StoredBlock],
-    inserted: &mut usize,
+    children: &mut usize,
 ) -> Result<(), u64> {
-    let (mut parent_slot, mut locator) = match parent {
-        None => (ROOT, ROOT_LOCATOR),
+    let mut cur: Option<(u32, u32)> = match parent {
+        None => None,
         Some(hash) => match lane.engine.get(&hash) {
-            Some(&slot) => (slot, table.locator(slot)),
+            Some(&at) => Some(unloc(at)),
             None => return Err(hash),
         },
     };
-    for block in blocks {
-        locator = step(locator, block.tokens_hash);
-        let (slot, new) = table.find_or_insert(locator, block.tokens_hash, parent_slot);
-        *inserted += new as usize;
-        if table.set_bit(slot, bit) {
+    let stride = gen.stride();
+    let word = 1 + (bit >> 6) as usize;
+    let mask = 1u64 << (bit & 63);
+    let mut i = 0;
+    while i < blocks.len() {
+        let block = &blocks[i];
+        let remaining = blocks.len() - i;
+        let next = match cur {
+            None => (
+                child(gen, ROOT_SEG, 0, block.tokens_hash, remaining, children),
+                0,
+            ),
+            Some((seg_id, off)) => {
+                let seg = gen.seg(seg_id);
+                let k = off as usize + 1;
+                let len = seg.len.load(Ordering::Acquire) as usize;
+                let words = gen.words(seg);
+                if k < len {
+                    if words[k * stride].load(Ordering::Relaxed) == block.tokens_hash {
+                        (seg_id, k as u32)
+                    } else {
+                        (
+                            child(
+                                gen,
+                                seg_id,
+                                k as u32,
+                                block.tokens_hash,
+                                remaining,
+                                children,
+                            ),
+                            0,
+                        )
+                    }
+                } else if k == len && k < seg.cap() {
+                    // The parent is the segment's last block: append in place, as many blocks
+                    // as fit, holder bit preset (nobody can see them before `len` moves).
+                    let guard = seg.lock.lock();
+                    if seg.len.load(Ordering::Acquire) as usize != k {
+                        drop(guard);
+                        continue; // someone appended meanwhile: look again
+                    }
+                    let m = remaining.min(seg.cap() - k);
+                    for (j, b) in blocks[i..i + m].iter().enumerate() {
+                        let at = (k + j) * stride;
+                        words[at].store(b.tokens_hash, Ordering::Relaxed);
+                        for w in 1..stride {
+                            words[at + w]
+                                .store(if w == word { mask } else { 0 }, Ordering::Relaxed);
+                        }
+                    }
+                    seg.len.store((k + m) as u32, Ordering::Release);
+                    drop(guard);
+                    for (j, b) in blocks[i..i + m].iter().enumerate() {
+                        lane.held += 1;
+                        bind(gen, lane, bit, b.block_hash, loc(seg_id, (k + j) as u32));
+                    }
+                    cur = Some((seg_id, (k + m - 1) as u32));
+                    i += m;
+                    continue;
+                } else {
+                    (
+                        child(
+                            gen,
+                            seg_id,
+                            k as u32,
+                            block.tokens_hash,
+                            remaining,
+                            children,
+                        ),
+                        0,
+                    )
+                }
+            }
+        };
+        let at = loc(next.0, next.1);
+        if set_bit(gen, at, bit) {
             lane.held += 1;
         }
-        if let Some(old) = lane.engine.insert(block.block_hash, slot) {
-            // The engine re-used a hash at another position: the old block is gone.
-            if old != slot && table.clear_bit(old, bit) {
-                lane.held -= 1;
-            }
-        }
-        parent_slot = slot;
+        bind(gen, lane, bit, block.block_hash, at);
+        cur = Some(next);
+        i += 1;
     }
     Ok(())
 }
 
-fn clear_lane(table: &Table, lane: &mut Lane, bit: u32) {
-    for (_, slot) in lane.engine.drain() {
-        table.clear_bit(slot, bit);
+fn clear_lane(gen: &Gen, lane: &mut Lane, bit: u32) {
+    for (_, at) in lane.engine.drain() {
+        clear_bit(gen, at, bit);
     }
     lane.held = 0;
 }
