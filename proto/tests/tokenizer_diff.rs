@@ -704,3 +704,12 @@ fn prompt_renderer_uses_the_fast_encoder() {
             .push(serde_json::json!({"role": "assistant", "content": random_text(&mut rng, 20)}));
     }
 }
+
+/// The encoders are shared across the EPP's request tasks.
+#[test]
+fn encoders_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<FastTokenizer>();
+    check::<PrefixReuseEncoder>();
+    check::<TokenEncoder>();
+}
