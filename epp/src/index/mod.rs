@@ -42,6 +42,7 @@
 //!   behind a gate that excludes writers only; readers keep reading the old table until the new
 //!   one is published through an `ArcSwap`.
 
+mod engine_map;
 pub mod hash;
 pub mod reference;
 mod segments;
@@ -54,6 +55,7 @@ use arc_swap::ArcSwap;
 use kvroute_proto::events::{KvEventData, StoredBlock};
 use parking_lot::{Mutex, RwLock};
 
+use engine_map::EngineMap;
 use hash::MixBuild;
 use segments::{Gen, Seg, GONE, MIN_CAP, ROOT_SEG};
 
@@ -65,6 +67,8 @@ pub const MAX_WORKER_SLOTS: usize = 1024;
 const MAX_WIDTH: usize = MAX_WORKER_SLOTS / 64;
 /// Initial child-table capacity; it grows at compactions.
 const INITIAL_CHILDREN: usize = 1 << 12;
+/// Engine-map keys prefetched ahead of the one being applied in a batch.
+const PREFETCH_AHEAD: usize = 6;
 /// Arena slack before the first compaction, and added to twice the kept size after each.
 const COMPACT_SLACK: usize = 1 << 20;
 
@@ -126,7 +130,7 @@ struct Lane {
     owner: Option<WorkerKey>,
     /// Engine block hash -> block location (`segment << 32 | offset`). Removals and parent
     /// links resolve through it.
-    engine: HashMap<u64, u64, MixBuild>,
+    engine: EngineMap,
     /// Positions whose holder bit this worker has set.
     held: usize,
 }
@@ -312,9 +316,32 @@ impl KvIndex {
         }
         let mut unknown = 0u64;
         let mut released = 0usize;
-        for hash in block_hashes {
-            match lane.engine.remove(hash) {
-                Some(at) => released += clear_bit(&gen, at, bit) as usize,
+        let stride = gen.stride();
+        let word = 1 + (bit >> 6) as usize;
+        let mask = 1u64 << (bit & 63);
+        // An eviction burst is mostly consecutive blocks of one segment: resolve the segment's
+        // words once per run of them.
+        let mut cached: (u32, &[std::sync::atomic::AtomicU64]) = (u32::MAX, &[]);
+        for (i, hash) in block_hashes.iter().enumerate() {
+            if let Some(ahead) = block_hashes.get(i + PREFETCH_AHEAD) {
+                lane.engine.prefetch(*ahead);
+            }
+            match lane.engine.remove(*hash) {
+                Some(at) => {
+                    let (seg, off) = unloc(at);
+                    if cached.0 != seg {
+                        cached = (seg, gen.words(gen.seg(seg)));
+                    }
+                    if let Some(cell) = cached.1.get(off as usize * stride + word) {
+                        // Only this worker's writer (we hold its lane) changes this bit, so a
+                        // plain read tells whether it is set, and the clear need not return
+                        // the old word (one `lock and`, not a compare-exchange loop).
+                        if cell.load(Ordering::Relaxed) & mask != 0 {
+                            cell.fetch_and(!mask, Ordering::Release);
+                            released += 1;
+                        }
+                    }
+                }
                 None => unknown += 1,
             }
         }
@@ -357,7 +384,7 @@ impl KvIndex {
                 }
                 clear_lane(&gen, &mut lane, bit);
                 lane.owner = None;
-                lane.engine = HashMap::default();
+                lane.engine = EngineMap::default();
             }
             let mut admin = self.admin.lock();
             let mut next = (*self.registry.load_full()).clone();
@@ -491,8 +518,7 @@ impl KvIndex {
         for &bit in registry.by_key.values() {
             let lane = self.lanes[bit as usize].lock();
             blocks += lane.held;
-            // hashbrown: 16-byte entry plus one control byte per bucket.
-            bytes += lane.engine.capacity() * 17;
+            bytes += lane.engine.capacity() * 16;
         }
         IndexStats {
             blocks,
@@ -567,7 +593,7 @@ impl KvIndex {
         let mut lanes: Vec<_> = self.lanes.iter().map(|lane| lane.lock()).collect();
         let pinned = lanes
             .iter()
-            .flat_map(|lane| lane.engine.values().map(|&at| unloc(at)))
+            .flat_map(|lane| lane.engine.values().map(unloc))
             .collect::<Vec<_>>();
         let (gen, remap) = old.compact(pinned.into_iter(), width, extra);
         for lane in lanes.iter_mut() {
@@ -595,9 +621,14 @@ fn clear_bit(gen: &Gen, at: u64, bit: u32) -> bool {
     let words = gen.words(gen.seg(seg));
     let index = off as usize * gen.stride() + 1 + (bit >> 6) as usize;
     let mask = 1u64 << (bit & 63);
-    words
-        .get(index)
-        .is_some_and(|word| word.fetch_and(!mask, Ordering::Release) & mask != 0)
+    // The caller holds the worker's lane: nobody else changes this bit (see apply_removed).
+    words.get(index).is_some_and(|word| {
+        let set = word.load(Ordering::Relaxed) & mask != 0;
+        if set {
+            word.fetch_and(!mask, Ordering::Release);
+        }
+        set
+    })
 }
 
 /// Set worker slot `bit` at a block; true when it was clear.
@@ -607,9 +638,14 @@ fn set_bit(gen: &Gen, at: u64, bit: u32) -> bool {
     let words = gen.words(gen.seg(seg));
     let index = off as usize * gen.stride() + 1 + (bit >> 6) as usize;
     let mask = 1u64 << (bit & 63);
-    words
-        .get(index)
-        .is_some_and(|word| word.fetch_or(mask, Ordering::Release) & mask == 0)
+    // The caller holds the worker's lane: nobody else changes this bit.
+    words.get(index).is_some_and(|word| {
+        let clear = word.load(Ordering::Relaxed) & mask == 0;
+        if clear {
+            word.fetch_or(mask, Ordering::Release);
+        }
+        clear
+    })
 }
 
 /// Record `engine -> at` for the worker; a hash re-used at another position releases the old.
@@ -622,9 +658,11 @@ fn bind(gen: &Gen, lane: &mut Lane, bit: u32, engine: u64, at: u64) {
     }
 }
 
-/// Capacity of a new segment for a store with `remaining` blocks still to place.
+/// Capacity of a new segment for a store with `remaining` blocks still to place: room for a
+/// decode tail to append in place, rounded to whole cache lines, not to a power of two (which
+/// wastes a quarter of the arena on average).
 fn cap_for(remaining: usize) -> usize {
-    (remaining + MIN_CAP).next_power_of_two()
+    (remaining + 2 * MIN_CAP).next_multiple_of(MIN_CAP)
 }
 
 /// The child segment continuing `(seg, k)` with `content`, created if absent (block 0 written,
@@ -662,8 +700,8 @@ fn store_locked(
 ) -> Result<(), u64> {
     let mut cur: Option<(u32, u32)> = match parent {
         None => None,
-        Some(hash) => match lane.engine.get(&hash) {
-            Some(&at) => Some(unloc(at)),
+        Some(hash) => match lane.engine.get(hash) {
+            Some(at) => Some(unloc(at)),
             None => return Err(hash),
         },
     };
@@ -673,6 +711,9 @@ fn store_locked(
     let mut i = 0;
     while i < blocks.len() {
         let block = &blocks[i];
+        if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
+            lane.engine.prefetch(ahead.block_hash);
+        }
         let remaining = blocks.len() - i;
         let next = match cur {
             None => (
@@ -720,6 +761,9 @@ fn store_locked(
                     seg.len.store((k + m) as u32, Ordering::Release);
                     drop(guard);
                     for (j, b) in blocks[i..i + m].iter().enumerate() {
+                        if let Some(ahead) = blocks.get(i + j + PREFETCH_AHEAD) {
+                            lane.engine.prefetch(ahead.block_hash);
+                        }
                         lane.held += 1;
                         bind(gen, lane, bit, b.block_hash, loc(seg_id, (k + j) as u32));
                     }
@@ -753,7 +797,7 @@ fn store_locked(
 }
 
 fn clear_lane(gen: &Gen, lane: &mut Lane, bit: u32) {
-    for (_, at) in lane.engine.drain() {
+    for at in lane.engine.take_values() {
         clear_bit(gen, at, bit);
     }
     lane.held = 0;

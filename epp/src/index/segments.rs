@@ -50,6 +50,21 @@ const MAX_BLOCKS: u64 = u32::MAX as u64 / 2;
 pub(crate) const MIN_CAP: usize = 16;
 pub(crate) const MAX_CAP: usize = 1 << 14;
 
+/// Zeroed atomic words straight from the allocator: `vec![0; n]` is a calloc, so the OS hands
+/// out zero pages lazily and only the pages actually used are ever faulted in (building the
+/// slice with `AtomicU64::new(0)` one by one touches every page of a chunk up front).
+pub(crate) fn zeroed_words(n: usize) -> Box<[AtomicU64]> {
+    const _: () = assert!(
+        std::mem::size_of::<AtomicU64>() == std::mem::size_of::<u64>()
+            && std::mem::align_of::<AtomicU64>() == std::mem::align_of::<u64>()
+    );
+    let words: Box<[u64]> = vec![0u64; n].into_boxed_slice();
+    // SAFETY: `AtomicU64` has the same size, alignment (asserted above) and bit validity as
+    // `u64`, so a boxed slice of one is a valid boxed slice of the other, freed with the same
+    // layout.
+    unsafe { Box::from_raw(Box::into_raw(words) as *mut [AtomicU64]) }
+}
+
 /// `(chunk, offset)` of element `index` in a geometric arena with first chunk `2^base_bits`.
 #[inline(always)]
 fn locate(index: usize, base_bits: u32) -> (usize, usize) {
@@ -116,7 +131,7 @@ impl ChildTable {
     fn new(capacity: usize) -> Self {
         let capacity = capacity.next_power_of_two().max(64);
         ChildTable {
-            slots: (0..capacity * 4).map(|_| AtomicU64::new(0)).collect(),
+            slots: zeroed_words(capacity * 4),
             shift: 64 - capacity.trailing_zeros(),
             mask: capacity - 1,
             reserved: AtomicUsize::new(0),
@@ -314,11 +329,9 @@ impl Gen {
         };
         let stride = self.stride;
         let (block_chunk, _) = locate(base, BLOCK_BASE_BITS);
-        self.block_dir.get(block_chunk)?.get_or_init(|| {
-            (0..chunk_len(block_chunk, BLOCK_BASE_BITS) * stride)
-                .map(|_| AtomicU64::new(0))
-                .collect()
-        });
+        self.block_dir
+            .get(block_chunk)?
+            .get_or_init(|| zeroed_words(chunk_len(block_chunk, BLOCK_BASE_BITS) * stride));
         let seg = &segs[offset];
         seg.base.store(base as u32, Ordering::Relaxed);
         seg.cap.store(cap as u32, Ordering::Relaxed);
@@ -426,7 +439,7 @@ impl Gen {
                 // Still growing at its end: keep the room it had.
                 old_cap
             } else {
-                (len + MIN_CAP).next_power_of_two().min(MAX_CAP).max(len)
+                (len + MIN_CAP).next_multiple_of(MIN_CAP).min(MAX_CAP).max(len)
             };
             let parent = remap[seg.parent.load(Ordering::Relaxed) as usize];
             let Some(id) = next.alloc_seg(parent, seg.parent_off.load(Ordering::Relaxed), cap)
