@@ -65,7 +65,7 @@ fn worker_stream(worker: u64, prompts: &[Vec<u64>]) -> Vec<Logged> {
             log.push(Logged::Event(KvEventData::Cleared));
             cache.clear();
         }
-        if worker % 3 == 0 && request == REQUESTS / 2 {
+        if worker.is_multiple_of(3) && request == REQUESTS / 2 {
             log.push(Logged::RemoveWorker);
             cache.clear();
         }

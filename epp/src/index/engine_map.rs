@@ -198,7 +198,11 @@ mod tests {
             let mut map = EngineMap::default();
             let mut model: HashMap<u64, u64> = HashMap::new();
             for step in 0..20_000u64 {
-                let key = if step % 3 == 0 { next() % keyspace } else { (next() % keyspace) << 20 };
+                let key = if step % 3 == 0 {
+                    next() % keyspace
+                } else {
+                    (next() % keyspace) << 20
+                };
                 if next() % 3 == 0 {
                     assert_eq!(map.remove(key), model.remove(&key));
                 } else {

@@ -68,7 +68,7 @@ const MAX_WIDTH: usize = MAX_WORKER_SLOTS / 64;
 /// Initial child-table capacity; it grows at compactions.
 const INITIAL_CHILDREN: usize = 1 << 12;
 /// Engine-map keys prefetched ahead of the one being applied in a batch.
-const PREFETCH_AHEAD: usize = 6;
+const PREFETCH_AHEAD: usize = 16;
 /// Arena slack before the first compaction, and added to twice the kept size after each.
 const COMPACT_SLACK: usize = 1 << 20;
 
@@ -323,8 +323,18 @@ impl KvIndex {
         // words once per run of them.
         let mut cached: (u32, &[std::sync::atomic::AtomicU64]) = (u32::MAX, &[]);
         for (i, hash) in block_hashes.iter().enumerate() {
+            // Two-stage pipeline: the map slot of a key far ahead, then the holder word of a
+            // key half as far ahead (its map slot is in cache by now), so both misses overlap.
             if let Some(ahead) = block_hashes.get(i + PREFETCH_AHEAD) {
                 lane.engine.prefetch(*ahead);
+            }
+            if let Some(near) = block_hashes.get(i + PREFETCH_AHEAD / 2) {
+                if let Some(at) = lane.engine.get(*near) {
+                    let (seg, off) = unloc(at);
+                    if let Some(cell) = gen.words(gen.seg(seg)).get(off as usize * stride + word) {
+                        prefetch_word(cell);
+                    }
+                }
             }
             match lane.engine.remove(*hash) {
                 Some(at) => {
@@ -612,6 +622,21 @@ impl KvIndex {
         self.gen.store(Arc::new(gen));
         self.compactions.fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// Hint the CPU to fetch the cache line holding `word` for writing soon.
+#[inline(always)]
+fn prefetch_word(word: &std::sync::atomic::AtomicU64) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let ptr = word as *const std::sync::atomic::AtomicU64 as *const i8;
+        // SAFETY: a prefetch is a hint that never faults; the pointer comes from a reference.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(ptr);
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = word;
 }
 
 /// Clear worker slot `bit` at a block; true when it was set.

@@ -439,7 +439,10 @@ impl Gen {
                 // Still growing at its end: keep the room it had.
                 old_cap
             } else {
-                (len + MIN_CAP).next_multiple_of(MIN_CAP).min(MAX_CAP).max(len)
+                (len + MIN_CAP)
+                    .next_multiple_of(MIN_CAP)
+                    .min(MAX_CAP)
+                    .max(len)
             };
             let parent = remap[seg.parent.load(Ordering::Relaxed) as usize];
             let Some(id) = next.alloc_seg(parent, seg.parent_off.load(Ordering::Relaxed), cap)

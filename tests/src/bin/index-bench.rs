@@ -1,7 +1,7 @@
 //! `index-bench`: the KV index replay benchmark. For each corpus (from `kv-corpus`): the
 //! exactness cross-check (every lookup: ours vs the reference index vs ChainIndex), then per
-//! backend the flat-out capacity and the sustained block ops/s (highest offered rate kept up at
-//! >= 99%), lookup p50/p99 at that load and memory; ends with a table, a JSON record and an SVG
+//! backend the flat-out capacity and the sustained block ops/s (highest offered rate of which
+//! at least 99% is achieved), lookup p50/p99 at that load and memory; ends with a table, a JSON record and an SVG
 //! chart. See `kvroute_tests::index_bench::replay` for the definitions.
 
 use std::path::PathBuf;

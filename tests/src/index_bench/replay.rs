@@ -112,10 +112,10 @@ fn wait_until(target: Instant, mut now: Instant) -> Instant {
 
 /// One trial: a fresh backend from `make`, the plan's deadlines scaled into `window`
 /// (`Duration::ZERO`: flat out).
-pub fn run_trial<'c, B: Backend>(
+pub fn run_trial<B: Backend>(
     make: &dyn Fn() -> B,
     plan: &Plan,
-    hashes: &'c [u64],
+    hashes: &[u64],
     window: Duration,
 ) -> Trial {
     let backend = make();
@@ -205,10 +205,10 @@ pub struct Search {
 }
 
 /// Flat-out capacity, then bisection for the sustained rate.
-pub fn search<'c, B: Backend>(
+pub fn search<B: Backend>(
     make: &dyn Fn() -> B,
     plan: &Plan,
-    hashes: &'c [u64],
+    hashes: &[u64],
     steps: usize,
     repeats: usize,
     mut progress: impl FnMut(&str),
