@@ -79,8 +79,13 @@ pub struct Ours<'c> {
 
 impl<'c> Ours<'c> {
     pub fn prepare(shared: &Shared<'c>) -> Self {
+        Self::with_slack(shared, None)
+    }
+
+    /// With a compaction slack other than the index's default (`KvIndex::with_compaction_slack`).
+    pub fn with_slack(shared: &Shared<'c>, slack: Option<usize>) -> Self {
         Ours {
-            index: KvIndex::new(),
+            index: slack.map_or_else(KvIndex::new, KvIndex::with_compaction_slack),
             keys: shared.workers.clone(),
             slot_of: shared
                 .workers
