@@ -109,6 +109,10 @@ pub struct IndexStats {
     pub unknown_removals: u64,
     /// Compactions (dead blocks dropped, child table grown, holder words widened) so far.
     pub compactions: u64,
+    /// Writers' total pause in compactions (gate held exclusively), nanoseconds.
+    pub compaction_nanos: u64,
+    /// Longest single compaction pause, nanoseconds.
+    pub max_compaction_nanos: u64,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -174,6 +178,8 @@ pub struct KvIndex {
     rejected_stores: AtomicU64,
     unknown_removals: AtomicU64,
     compactions: AtomicU64,
+    compaction_nanos: AtomicU64,
+    max_compaction_nanos: AtomicU64,
 }
 
 impl Default for KvIndex {
@@ -210,6 +216,8 @@ impl KvIndex {
             rejected_stores: AtomicU64::new(0),
             unknown_removals: AtomicU64::new(0),
             compactions: AtomicU64::new(0),
+            compaction_nanos: AtomicU64::new(0),
+            max_compaction_nanos: AtomicU64::new(0),
         }
     }
 
@@ -539,6 +547,8 @@ impl KvIndex {
             rejected_stores: self.rejected_stores.load(Ordering::Relaxed),
             unknown_removals: self.unknown_removals.load(Ordering::Relaxed),
             compactions: self.compactions.load(Ordering::Relaxed),
+            compaction_nanos: self.compaction_nanos.load(Ordering::Relaxed),
+            max_compaction_nanos: self.max_compaction_nanos.load(Ordering::Relaxed),
         }
     }
 
@@ -600,6 +610,7 @@ impl KvIndex {
             // Another writer compacted while we waited for the gate.
             return;
         }
+        let started = std::time::Instant::now();
         let mut lanes: Vec<_> = self.lanes.iter().map(|lane| lane.lock()).collect();
         let pinned = lanes
             .iter()
@@ -621,6 +632,10 @@ impl KvIndex {
         );
         self.gen.store(Arc::new(gen));
         self.compactions.fetch_add(1, Ordering::Relaxed);
+        let pause = started.elapsed().as_nanos() as u64;
+        self.compaction_nanos.fetch_add(pause, Ordering::Relaxed);
+        self.max_compaction_nanos
+            .fetch_max(pause, Ordering::Relaxed);
     }
 }
 

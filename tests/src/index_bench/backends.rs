@@ -64,6 +64,10 @@ pub trait Backend: Sync {
     fn lookup(&self, hashes: &[u64], out: &mut Vec<(usize, u32)>);
     /// Approximate bytes held by the index and the lanes' maps.
     fn memory_bytes(&self, lanes: &[Self::Lane]) -> usize;
+    /// Backend-specific remarks after a trial (ours: compaction pauses).
+    fn notes(&self) -> String {
+        String::new()
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -154,6 +158,15 @@ impl Backend for Ours<'_> {
     }
     fn memory_bytes(&self, _lanes: &[()]) -> usize {
         self.index.stats().bytes
+    }
+    fn notes(&self) -> String {
+        let stats = self.index.stats();
+        format!(
+            "{} compactions, writers paused {:.1} ms in all, longest {:.1} ms",
+            stats.compactions,
+            stats.compaction_nanos as f64 / 1e6,
+            stats.max_compaction_nanos as f64 / 1e6
+        )
     }
 }
 

@@ -73,6 +73,7 @@ pub struct Trial {
     pub lookup_ns: Vec<u64>,
     pub apply_failures: u64,
     pub memory_bytes: usize,
+    pub notes: String,
 }
 
 impl Trial {
@@ -181,6 +182,7 @@ pub fn run_trial<B: Backend>(
         .collect();
     lookup_ns.sort_unstable();
     let memory_bytes = backend.memory_bytes(&lanes);
+    let notes = backend.notes();
     Trial {
         offered: if window.is_zero() {
             f64::INFINITY
@@ -192,6 +194,7 @@ pub fn run_trial<B: Backend>(
         lookup_ns,
         apply_failures: outcomes.iter().map(|o| o.failures).sum(),
         memory_bytes,
+        notes,
     }
 }
 
@@ -215,9 +218,10 @@ pub fn search<B: Backend>(
 ) -> Search {
     let capacity = run_trial(make, plan, hashes, Duration::ZERO);
     progress(&format!(
-        "capacity (flat out): {:.2} M block ops/s in {:.2} s",
+        "capacity (flat out): {:.2} M block ops/s in {:.2} s {}",
         capacity.achieved / 1e6,
-        capacity.elapsed.as_secs_f64()
+        capacity.elapsed.as_secs_f64(),
+        capacity.notes
     ));
     let mut result = Search {
         capacity: capacity.clone(),
