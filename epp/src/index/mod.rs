@@ -27,20 +27,24 @@
 //! - `Removed` of a hash the worker does not hold, or for an unknown worker: ignored, counted in
 //!   [`IndexStats::unknown_removals`]. `Cleared` of an unknown worker: no-op.
 //!
-//! # Design (why it is fast)
-//! - One flat open-addressing table of block positions ([`table`]): a slot is matched on its
-//!   exact `(parent slot, content hash)` and carries the holder bitset inline (one bit per
-//!   worker slot; 64 workers fit the 32-byte slot). A lookup walks the request's blocks with
-//!   one probe per block; probe addresses come from a cheap chained locator computed ahead, so
-//!   the probes' cache misses overlap (prefetch), and it stops as soon as no worker is left.
-//! - Lookups take no lock and write nothing: slots are immutable once published except for
-//!   holder bits (atomic or/and), and dead slots stay in place until a rebuild.
-//! - Writes are serialized per worker (a mutex per worker slot holding that worker's engine
-//!   hash map); writers of different workers run concurrently and only meet on the atomic
-//!   holder words and the CAS that claims a new slot.
-//! - The table is rebuilt (grown, dead slots dropped, or widened for more than 64 worker slots)
-//!   behind a gate that excludes writers only; readers keep reading the old table until the new
-//!   one is published through an `ArcSwap`.
+//! # Design
+//! - Positions are stored as **segments** ([`segments`]): a segment is a run of consecutive
+//!   positions of one chain, kept as two parallel words per block (content key, holder bitset
+//!   with one bit per worker slot; 64 slots per word). A chain that diverges becomes a child
+//!   segment keyed by `(segment, offset, content)` in a lock-free child table. A lookup walks a
+//!   segment with one compare and one AND per block, probes the child table only where the
+//!   request leaves a segment, and stops as soon as no worker is left.
+//! - Lookups take no lock and write nothing: blocks are written before a segment's length is
+//!   published (release/acquire), holder bits change by atomic or/and, and nothing is freed or
+//!   reused while the generation is published.
+//! - Writes are serialized per worker (a mutex per worker slot holding that worker's engine-hash
+//!   map, [`engine_map`]); writers of different workers run concurrently and meet only on holder
+//!   words, a segment's append lock and the child table's CAS. A store whose parent is its
+//!   segment's last block appends in place (holder bit preset, no atomic).
+//! - Dead blocks (no holder) are dropped by a **compaction** that builds the next generation
+//!   behind a gate excluding writers only (readers finish on the old generation, swapped through
+//!   an `ArcSwap`). It is stop-the-world for writers: see docs/BENCHMARKS.md, "KV index replay",
+//!   for what that costs and how incremental reclamation would remove it.
 
 mod engine_map;
 pub mod hash;
