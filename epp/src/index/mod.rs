@@ -28,7 +28,7 @@
 //!   [`IndexStats::unknown_removals`]. `Cleared` of an unknown worker: no-op.
 //!
 //! # Design
-//! - Positions are stored as **segments** ([`segments`]): a segment is a run of consecutive
+//! - Positions are stored as **segments** (module `segments`): a segment is a run of consecutive
 //!   positions of one chain, kept as two parallel words per block (content key, holder bitset
 //!   with one bit per worker slot; 64 slots per word). A chain that diverges becomes a child
 //!   segment keyed by `(segment, offset, content)` in a lock-free child table. A lookup walks a
@@ -38,7 +38,7 @@
 //!   published (release/acquire), holder bits change by atomic or/and, and nothing is freed or
 //!   reused while the generation is published.
 //! - Writes are serialized per worker (a mutex per worker slot holding that worker's engine-hash
-//!   map, [`engine_map`]); writers of different workers run concurrently and meet only on holder
+//!   map, module `engine_map`); writers of different workers run concurrently and meet only on holder
 //!   words, a segment's append lock and the child table's CAS. A store whose parent is its
 //!   segment's last block appends in place (holder bit preset, no atomic).
 //! - Dead blocks (no holder) are dropped by a **compaction** that builds the next generation
