@@ -3,6 +3,9 @@
 //! Measures, for prompts of several sizes: request parsing (`parse_request`), chat templating
 //! (`render`), BPE tokenization (`encode`), and the full chat path the EPP and the worker run
 //! (`parse_request` + `token_ids`). Text is deterministic pseudo-English so runs compare.
+//! The tokenizer remembers recent prompts (prefix reuse), so each path is timed twice: *cold*,
+//! with a unique first line per iteration so nothing can be reused, and *repeat*, the same
+//! prompt again (what a retried or fanned-out request costs).
 //!
 //! Usage: `cargo run --release -p kvroute-proto --bin prompt-bench [-- --min-secs S]`
 //! (model dir from `KVROUTE_MODEL_DIR`, else `.cache/models/qwen3`). Progress goes to stderr,
@@ -203,7 +206,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         parse: f64,
         render: f64,
         encode: f64,
+        encode_cold: f64,
         chat_total: f64,
+        chat_cold: f64,
         completion_total: f64,
     }
     let mut rows = Vec::new();
@@ -237,6 +242,22 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         });
         let render = time(min, || r.render(&chat_req).map(|s| s.len()));
         let encode = time(min, || r.encode(&rendered, false).map(|v| v.len()));
+        let mut n = 0u64;
+        let encode_cold = time(min, || {
+            n += 1;
+            r.encode(&format!("{n}\n{rendered}"), false)
+                .map(|v| v.len())
+        });
+        let chat_cold = time(min, || {
+            n += 1;
+            let mut m = messages.clone();
+            m[0] = json!({"role": "system", "content": format!("Session {n}. You are a helpful assistant.")});
+            let body = json!({"model": "m", "messages": m, "max_tokens": 16}).to_string();
+            parse_request(ApiKind::ChatCompletions, body.as_bytes())
+                .ok()
+                .and_then(|p| r.token_ids(&p).ok())
+                .map(|v| v.len())
+        });
         let chat_total = time(min, || {
             parse_request(ApiKind::ChatCompletions, chat_body.as_bytes())
                 .ok()
@@ -259,7 +280,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             parse: per_1k(parse, tokens),
             render: per_1k(render, tokens),
             encode: per_1k(encode, tokens),
+            encode_cold: per_1k(encode_cold, tokens),
             chat_total: per_1k(chat_total, tokens),
+            chat_cold: per_1k(chat_cold, tokens),
             completion_total: per_1k(completion_total, tokens),
         });
     }
@@ -269,21 +292,29 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "prompt understanding cost, µs per 1K prompt tokens (median; tokenizer load {load:.2?})"
     );
     println!(
-        "{:>7} {:>7} | {:>9} {:>9} {:>9} | {:>12} {:>12}",
-        "target", "tokens", "parse", "template", "encode", "chat total", "compl total"
+        "| target | tokens | parse | template | encode cold | encode repeat | chat cold | chat repeat | completion repeat |"
     );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for row in &rows {
         println!(
-            "{:>7} {:>7} | {:>9.1} {:>9.1} {:>9.1} | {:>12.1} {:>12.1}",
+            "| {} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |",
             row.target,
             row.tokens,
             row.parse,
             row.render,
+            row.encode_cold,
             row.encode,
+            row.chat_cold,
             row.chat_total,
             row.completion_total
         );
     }
-    println!("chat total = parse_request + render + encode (what the EPP and the worker run per request)");
+    println!();
+    println!(
+        "chat = parse_request + render + encode (what the EPP and the worker run per request);"
+    );
+    println!(
+        "cold = a unique first line each time (no prefix reuse); repeat = the same prompt again"
+    );
     Ok(())
 }
