@@ -214,8 +214,14 @@ async fn main() -> anyhow::Result<()> {
     let svg = cdf_svg(
         "Chat request latency: engine directly vs through kvroute-sidecar",
         &[
-            Series { label: "engine directly".into(), samples: &d_lat },
-            Series { label: "via kvroute-sidecar".into(), samples: &s_lat },
+            Series {
+                label: "engine directly".into(),
+                samples: &d_lat,
+            },
+            Series {
+                label: "via kvroute-sidecar".into(),
+                samples: &s_lat,
+            },
         ],
     );
     if let Some(dir) = args.svg.parent() {
