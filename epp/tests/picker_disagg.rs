@@ -10,7 +10,7 @@ use std::time::Duration;
 use kvroute_epp::index::KvIndex;
 use kvroute_epp::load::LoadLedger;
 use kvroute_epp::metrics::EppMetrics;
-use kvroute_epp::picker::{Picker, PickerConfig, RequestMeta};
+use kvroute_epp::picker::{prefill_booking, Picker, PickerConfig, RequestMeta};
 use kvroute_epp::policy::{BusyThresholds, CostParams, PolicyKind};
 use kvroute_epp::pool::{WorkerEntry, WorkerPool};
 use kvroute_proto::events::{KvEventData, StoredBlock};
@@ -74,6 +74,18 @@ fn worker(
 }
 
 fn fixture(workers: Vec<Arc<WorkerEntry>>, disagg_min_uncached_tokens: u64) -> Fixture {
+    fixture_with(
+        workers,
+        disagg_min_uncached_tokens,
+        BusyThresholds::default(),
+    )
+}
+
+fn fixture_with(
+    workers: Vec<Arc<WorkerEntry>>,
+    disagg_min_uncached_tokens: u64,
+    busy: BusyThresholds,
+) -> Fixture {
     let renderer = Arc::new(PromptRenderer::from_dir(&model_dir()).expect("tokenizer"));
     let pool = Arc::new(WorkerPool::new());
     for w in workers {
@@ -89,7 +101,7 @@ fn fixture(workers: Vec<Arc<WorkerEntry>>, disagg_min_uncached_tokens: u64) -> F
             max_body_bytes: 1 << 20,
             policy: PolicyKind::Kv,
             cost: CostParams::default(),
-            busy: BusyThresholds::default(),
+            busy,
             fallbacks: 1,
             speculative_ttl: Duration::ZERO,
             disagg_min_uncached_tokens,
@@ -270,6 +282,9 @@ fn conditional_disaggregation_prefills_locally_when_decode_holds_the_prompt() {
     let b = body(7);
     let cold = f.pick("cold", &b).expect("routed");
     assert!(cold.prefill.is_some(), "nothing cached: remote prefill");
+    // The first request finishes (its bookings are released) and worker 4 holds its prompt.
+    f.picker.ledger.release("cold");
+    f.picker.ledger.release(&prefill_booking("cold"));
     f.hold(4, &b);
     let warm = f.pick("warm", &b).expect("routed");
     assert!(warm.prefill.is_none() && warm.prefill_bypassed, "{warm:?}");
@@ -277,4 +292,27 @@ fn conditional_disaggregation_prefills_locally_when_decode_holds_the_prompt() {
         warm.worker_id, 4,
         "the decode worker holding the prompt prefills it"
     );
+}
+
+#[test]
+fn all_workers_over_their_busy_threshold_is_429() {
+    let busy = BusyThresholds {
+        active_decode_blocks_frac: None,
+        active_prefill_tokens: Some(100),
+    };
+    let f = fixture_with(
+        vec![
+            worker(3, WorkerRole::Aggregated, "a", Enforcement::Preferred, 0.0),
+            worker(4, WorkerRole::Aggregated, "a", Enforcement::Preferred, 0.0),
+        ],
+        0,
+        busy,
+    );
+    // Each pick books > 100 uncached prefill tokens on its worker; bookings are never released.
+    let first = f.pick("r1", &body(1)).expect("worker 3 or 4").worker_id;
+    let second = f.pick("r2", &body(2)).expect("the other worker").worker_id;
+    assert_ne!(first, second, "the busy worker is skipped");
+    let err = f.pick("r3", &body(3)).expect_err("both busy");
+    assert_eq!(err.status, 429);
+    assert!(err.message.contains("busy"), "{}", err.message);
 }
