@@ -17,7 +17,7 @@
 //! again once it stores that block again.
 //!
 //! # Semantics of bad or out-of-order input (the index is never corrupted by it)
-//! - `Stored` whose `parent_hash` the worker does not hold (never stored, removed, cleared):
+//! - `Stored` whose `parent_hash` the worker does not name (never stored, removed, cleared):
 //!   rejected whole with [`IndexError::UnknownParent`], nothing applied, counted in
 //!   [`IndexStats::rejected_stores`]. The chain's position cannot be known without the parent.
 //! - `Stored` of an engine hash the worker already holds elsewhere: the block *moves* (the old
@@ -28,40 +28,40 @@
 //!   [`IndexStats::unknown_removals`]. `Cleared` of an unknown worker: no-op.
 //!
 //! # Design
-//! - Positions are stored as **segments** (module `segments`): a segment is a run of consecutive
-//!   positions of one chain, kept as two parallel words per block (content key, holder bitset
-//!   with one bit per worker slot; 64 slots per word). A chain that diverges becomes a child
-//!   segment keyed by `(segment, offset, content)` in a lock-free child table. A lookup walks a
-//!   segment with one compare and one AND per block, probes the child table only where the
-//!   request leaves a segment, and stops as soon as no worker is left.
-//! - Lookups take no lock and write nothing: blocks are written before a segment's length is
-//!   published (release/acquire), holder bits change by atomic or/and, and nothing is freed or
-//!   reused while the generation is published.
-//! - Writes are serialized per worker (a mutex per worker slot holding that worker's engine-hash
-//!   map, module `engine_map`); writers of different workers run concurrently and meet only on holder
-//!   words, a segment's append lock and the child table's CAS. A store whose parent is its
-//!   segment's last block appends in place (holder bit preset, no atomic).
-//! - Dead blocks (no holder) are dropped by a **compaction** that builds the next generation
-//!   behind a gate excluding writers only (readers finish on the old generation, swapped through
-//!   an `ArcSwap`). It is stop-the-world for writers: see docs/BENCHMARKS.md, "KV index replay",
-//!   for what that costs and how incremental reclamation would remove it.
+//! - Positions are stored as **segments** (module `segments`): a run of consecutive positions
+//!   of one chain as one array of content keys, a child table where chains leave it (module
+//!   `children`), and one holder entry per worker slot with that worker's consecutive depth in
+//!   the segment. A lookup compares a segment's contents as an array, reads its holder entries
+//!   once, probes the child table only where the request leaves the segment, and stops as soon
+//!   as no worker is left.
+//! - Writes are serialized per worker (a mutex per worker slot, module `holds`): the worker's
+//!   engine-hash map and its per-segment bitsets are private to it, so a store or removal of a
+//!   block is a map operation and a bit flip in memory no other writer touches; the only shared
+//!   writes are one depth store per (event, segment) and the reference counts when a worker
+//!   starts or stops naming blocks in a segment. A store whose parent is its segment's last
+//!   block appends in place under the segment's lock.
+//! - Lookups take no lock and write nothing shared; they pin an epoch (crossbeam-epoch).
+//! - Memory is reclaimed as it dies, with no pause: a segment is freed when no worker names a
+//!   block in it and it has no live child, after every reader that could see it has unpinned.
 
+mod children;
 mod engine_map;
 pub mod hash;
+mod holds;
 pub mod reference;
 mod segments;
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use kvroute_proto::events::{KvEventData, StoredBlock};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 
-use engine_map::EngineMap;
 use hash::MixBuild;
-use segments::{Gen, Seg, GONE, MIN_CAP, ROOT_SEG};
+use holds::{unloc, Lane};
+use segments::{Seg, SegCounters, MIN_CAP};
 
 /// A worker as the index knows it: `(worker_id, dp_rank)`.
 pub type WorkerKey = (u64, u32);
@@ -69,12 +69,8 @@ pub type WorkerKey = (u64, u32);
 /// Most `(worker, dp rank)` pairs registered at once.
 pub const MAX_WORKER_SLOTS: usize = 1024;
 const MAX_WIDTH: usize = MAX_WORKER_SLOTS / 64;
-/// Initial child-table capacity; it grows at compactions.
-const INITIAL_CHILDREN: usize = 1 << 12;
 /// Engine-map keys prefetched ahead of the one being applied in a batch.
 const PREFETCH_AHEAD: usize = 16;
-/// Arena slack before the first compaction, and added to twice the kept size after each.
-const COMPACT_SLACK: usize = 1 << 20;
 
 /// Per-worker matched depth: consecutive blocks from block 0 held, for workers with depth > 0.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -98,25 +94,21 @@ pub fn overlap_of(scores: &OverlapScores, worker: WorkerKey) -> u32 {
 pub struct IndexStats {
     /// Blocks held, summed over workers (a block two workers hold counts twice).
     pub blocks: usize,
-    /// Block positions allocated in the arena: live, dead (awaiting compaction) and the room
-    /// segments keep for appends.
+    /// Block positions allocated in live segments: held, unheld and the room segments keep
+    /// for appends.
     pub arena_blocks: usize,
-    /// Segments (runs of consecutive chain positions) allocated.
+    /// Live segments (runs of consecutive chain positions).
     pub segments: usize,
+    /// Segments freed since the index was made (nothing named a block in them any more).
+    pub segments_reclaimed: usize,
     /// Registered `(worker, dp rank)` pairs.
     pub workers: usize,
-    /// Approximate heap bytes: the table plus the per-worker engine-hash maps.
+    /// Approximate heap bytes: segments, child tables and the workers' private maps.
     pub bytes: usize,
     /// Stores rejected because the worker did not hold their parent.
     pub rejected_stores: u64,
     /// Removed hashes the worker did not hold (or removals for unknown workers).
     pub unknown_removals: u64,
-    /// Compactions (dead blocks dropped, child table grown, holder words widened) so far.
-    pub compactions: u64,
-    /// Writers' total pause in compactions (gate held exclusively), nanoseconds.
-    pub compaction_nanos: u64,
-    /// Longest single compaction pause, nanoseconds.
-    pub max_compaction_nanos: u64,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -130,27 +122,6 @@ pub enum IndexError {
     TooManyWorkers { max: usize },
 }
 
-/// One worker slot's private state, behind its mutex: the writer's view of what it holds.
-#[derive(Default)]
-struct Lane {
-    /// Which worker owns this slot now; a writer that resolved the slot before a removal sees
-    /// the change here and resolves again instead of writing into a freed slot.
-    owner: Option<WorkerKey>,
-    /// Engine block hash -> block location (`segment << 32 | offset`). Removals and parent
-    /// links resolve through it.
-    engine: EngineMap,
-    /// Positions whose holder bit this worker has set.
-    held: usize,
-}
-
-fn loc(seg: u32, off: u32) -> u64 {
-    ((seg as u64) << 32) | off as u64
-}
-
-fn unloc(at: u64) -> (u32, u32) {
-    ((at >> 32) as u32, at as u32)
-}
-
 /// Worker registration, published as an immutable snapshot so that lookups and writers resolve
 /// keys without taking a lock.
 #[derive(Default, Clone)]
@@ -162,29 +133,28 @@ struct Registry {
 #[derive(Default)]
 struct Admin {
     /// Freed slots, reused oldest first so a lookup racing a removal is unlikely to attribute
-    /// a stale bit to the slot's next owner.
+    /// a stale depth to the slot's next owner.
     free: VecDeque<u32>,
     next: u32,
 }
 
 /// The concurrent KV index. `Send + Sync`; share it through an `Arc`.
 pub struct KvIndex {
-    gen: ArcSwap<Gen>,
-    /// Writers hold it shared for one event; a compaction holds it exclusively.
-    gate: RwLock<()>,
-    /// Arena size past which the next store compacts.
-    compact_at: AtomicUsize,
-    /// Arena blocks allowed past twice the kept size before compacting again.
-    slack: usize,
+    root: Box<Seg>,
     registry: ArcSwap<Registry>,
     admin: Mutex<Admin>,
     lanes: Box<[Mutex<Lane>]>,
+    counters: SegCounters,
     rejected_stores: AtomicU64,
     unknown_removals: AtomicU64,
-    compactions: AtomicU64,
-    compaction_nanos: AtomicU64,
-    max_compaction_nanos: AtomicU64,
 }
+
+// SAFETY: the segment tree is shared under the contract in `segments` (immutable published
+// contents, atomics, locks for structural changes, epoch-deferred frees); the raw pointers it
+// holds are what makes the auto traits opt out.
+unsafe impl Send for KvIndex {}
+// SAFETY: as above.
+unsafe impl Sync for KvIndex {}
 
 impl Default for KvIndex {
     fn default() -> Self {
@@ -192,36 +162,32 @@ impl Default for KvIndex {
     }
 }
 
-/// Why a store must leave the gate and compact first.
-enum NeedCompaction {
-    Width(usize),
-    Room,
+impl Drop for KvIndex {
+    fn drop(&mut self) {
+        // No reader or writer remains (`&mut self`); dead segments were unlinked and handed to
+        // the collector already.
+        self.root.free_descendants();
+    }
+}
+
+/// Capacity of a new segment for a store with `remaining` blocks still to place: room for a
+/// decode tail to append in place, rounded to whole cache lines.
+fn cap_for(remaining: usize) -> usize {
+    (remaining + 2 * MIN_CAP).next_multiple_of(MIN_CAP)
 }
 
 impl KvIndex {
     pub fn new() -> Self {
-        Self::with_compaction_slack(COMPACT_SLACK)
-    }
-
-    /// An index that compacts once its arena passes twice the blocks kept at the last
-    /// compaction plus `slack` blocks (default 1 Mi blocks, 16 MiB at 64 workers). Small values
-    /// trade CPU for memory; tests use them to compact often.
-    pub fn with_compaction_slack(slack: usize) -> Self {
         KvIndex {
-            gen: ArcSwap::from_pointee(Gen::new(1, INITIAL_CHILDREN)),
-            gate: RwLock::new(()),
-            compact_at: AtomicUsize::new(slack),
-            slack,
+            root: Seg::root(),
             registry: ArcSwap::from_pointee(Registry::default()),
             admin: Mutex::new(Admin::default()),
             lanes: (0..MAX_WORKER_SLOTS)
                 .map(|_| Mutex::new(Lane::default()))
                 .collect(),
+            counters: SegCounters::default(),
             rejected_stores: AtomicU64::new(0),
             unknown_removals: AtomicU64::new(0),
-            compactions: AtomicU64::new(0),
-            compaction_nanos: AtomicU64::new(0),
-            max_compaction_nanos: AtomicU64::new(0),
         }
     }
 
@@ -257,117 +223,126 @@ impl KvIndex {
         if blocks.is_empty() {
             return Ok(());
         }
-        let need = blocks.len();
         loop {
-            let bit = self.register(worker)?;
-            let gate = self.gate.read();
-            let gen = self.gen.load();
-            let need_compaction = if (bit as usize) >= gen.width * 64 {
-                Some(NeedCompaction::Width(bit as usize / 64 + 1))
-            } else if gen.arena_blocks() + need + MIN_CAP > self.compact_at.load(Ordering::Relaxed)
-                || gen.segments() + need >= segments::MAX_SEGMENTS
-            {
-                Some(NeedCompaction::Room)
-            } else if gen.children.reserved.fetch_add(need, Ordering::Relaxed) + need
-                > gen.children.limit
-            {
-                gen.children.reserved.fetch_sub(need, Ordering::Relaxed);
-                Some(NeedCompaction::Room)
-            } else {
-                None
-            };
-            if let Some(why) = need_compaction {
-                drop(gen);
-                drop(gate);
-                let width = match why {
-                    NeedCompaction::Width(width) => width,
-                    NeedCompaction::Room => 0,
-                };
-                self.compact(need, width);
-                continue;
-            }
-            let mut lane = self.lanes[bit as usize].lock();
+            let slot = self.register(worker)?;
+            let mut lane = self.lanes[slot as usize].lock();
             if lane.owner != Some(worker) {
                 // The worker was removed (or is being removed) since we resolved its slot.
                 drop(lane);
-                gen.children.reserved.fetch_sub(need, Ordering::Relaxed);
-                drop(gen);
-                drop(gate);
                 std::thread::yield_now();
                 continue;
             }
-            let mut children = 0usize;
-            let result = store_locked(&gen, &mut lane, bit, parent, blocks, &mut children);
-            gen.children
-                .reserved
-                .fetch_sub(need - children, Ordering::Relaxed);
-            return match result {
-                Ok(()) => Ok(()),
-                Err(parent) => {
-                    self.rejected_stores.fetch_add(1, Ordering::Relaxed);
-                    Err(IndexError::UnknownParent { worker, parent })
-                }
-            };
+            let guard = crossbeam_epoch::pin();
+            let result = self.store_locked(&mut lane, slot, parent, blocks, &guard);
+            lane.settle(&self.counters, &guard);
+            return result.map_err(|parent| {
+                self.rejected_stores.fetch_add(1, Ordering::Relaxed);
+                IndexError::UnknownParent { worker, parent }
+            });
         }
+    }
+
+    /// Place a chain under the lane's lock. Returns the unknown parent hash on rejection.
+    fn store_locked(
+        &self,
+        lane: &mut Lane,
+        slot: u32,
+        parent: Option<u64>,
+        blocks: &[StoredBlock],
+        guard: &crossbeam_epoch::Guard,
+    ) -> Result<(), u64> {
+        // Where the chain continues from: (hold, offset) of the last placed block.
+        let mut cur: Option<(u32, u32)> = match parent {
+            None => None,
+            Some(hash) => match lane.engine.get(hash) {
+                Some(at) => Some(unloc(at)),
+                None => return Err(hash),
+            },
+        };
+        let n = blocks.len();
+        let mut i = 0;
+        while i < n {
+            let content = blocks[i].tokens_hash;
+            let (parent_seg, k) = match cur {
+                None => (&*self.root, 0usize),
+                Some((hold, off)) => (lane.hold(hold).seg(guard), off as usize + 1),
+            };
+            if let Some((hold, _)) = cur {
+                let published = parent_seg.published();
+                if k < published.len() && published[k].load(Ordering::Relaxed) == content {
+                    // The chain follows blocks already in this segment: name them as far as
+                    // they match.
+                    let mut j = k;
+                    while j < published.len()
+                        && i < n
+                        && published[j].load(Ordering::Relaxed) == blocks[i].tokens_hash
+                    {
+                        if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
+                            lane.engine.prefetch(ahead.block_hash);
+                        }
+                        lane.name(hold, j as u32, blocks[i].block_hash);
+                        j += 1;
+                        i += 1;
+                    }
+                    cur = Some((hold, j as u32 - 1));
+                    continue;
+                }
+                if k == published.len() && k < parent_seg.cap() {
+                    // The parent is the segment's last block: append in place.
+                    let lock = parent_seg.lock.lock();
+                    if parent_seg.len.load(Ordering::Acquire) as usize != k {
+                        drop(lock);
+                        continue; // someone appended meanwhile: look again
+                    }
+                    let m = (n - i).min(parent_seg.cap() - k);
+                    parent_seg.append_locked(k, blocks[i..i + m].iter().map(|b| b.tokens_hash));
+                    drop(lock);
+                    for (j, block) in blocks[i..i + m].iter().enumerate() {
+                        if let Some(ahead) = blocks.get(i + j + PREFETCH_AHEAD) {
+                            lane.engine.prefetch(ahead.block_hash);
+                        }
+                        lane.name(hold, (k + j) as u32, block.block_hash);
+                    }
+                    cur = Some((hold, (k + m - 1) as u32));
+                    i += m;
+                    continue;
+                }
+            }
+            // The chain leaves the segment here (or starts at the root): a child continues it.
+            let child =
+                parent_seg.acquire_child(k as u32, content, cap_for(n - i), &self.counters, guard);
+            let hold = lane.hold_acquired(child, slot, &self.counters);
+            lane.name(hold, 0, blocks[i].block_hash);
+            cur = Some((hold, 0));
+            i += 1;
+        }
+        Ok(())
     }
 
     /// Forget the named blocks of `worker`; hashes it does not hold are ignored and counted.
     pub fn apply_removed(&self, worker: WorkerKey, block_hashes: &[u64]) {
-        let Some(bit) = self.slot_of(worker) else {
+        let Some(slot) = self.slot_of(worker) else {
             self.unknown_removals
                 .fetch_add(block_hashes.len() as u64, Ordering::Relaxed);
             return;
         };
-        let _gate = self.gate.read();
-        let gen = self.gen.load();
-        let mut lane = self.lanes[bit as usize].lock();
+        let mut lane = self.lanes[slot as usize].lock();
         if lane.owner != Some(worker) {
             self.unknown_removals
                 .fetch_add(block_hashes.len() as u64, Ordering::Relaxed);
             return;
         }
         let mut unknown = 0u64;
-        let mut released = 0usize;
-        let stride = gen.stride();
-        let word = 1 + (bit >> 6) as usize;
-        let mask = 1u64 << (bit & 63);
-        // An eviction burst is mostly consecutive blocks of one segment: resolve the segment's
-        // words once per run of them.
-        let mut cached: (u32, &[std::sync::atomic::AtomicU64]) = (u32::MAX, &[]);
         for (i, hash) in block_hashes.iter().enumerate() {
-            // Two-stage pipeline: the map slot of a key far ahead, then the holder word of a
-            // key half as far ahead (its map slot is in cache by now), so both misses overlap.
             if let Some(ahead) = block_hashes.get(i + PREFETCH_AHEAD) {
                 lane.engine.prefetch(*ahead);
             }
-            if let Some(near) = block_hashes.get(i + PREFETCH_AHEAD / 2) {
-                if let Some(at) = lane.engine.get(*near) {
-                    let (seg, off) = unloc(at);
-                    if let Some(cell) = gen.words(gen.seg(seg)).get(off as usize * stride + word) {
-                        prefetch_word(cell);
-                    }
-                }
-            }
-            match lane.engine.remove(*hash) {
-                Some(at) => {
-                    let (seg, off) = unloc(at);
-                    if cached.0 != seg {
-                        cached = (seg, gen.words(gen.seg(seg)));
-                    }
-                    if let Some(cell) = cached.1.get(off as usize * stride + word) {
-                        // Only this worker's writer (we hold its lane) changes this bit, so a
-                        // plain read tells whether it is set, and the clear need not return
-                        // the old word (one `lock and`, not a compare-exchange loop).
-                        if cell.load(Ordering::Relaxed) & mask != 0 {
-                            cell.fetch_and(!mask, Ordering::Release);
-                            released += 1;
-                        }
-                    }
-                }
-                None => unknown += 1,
+            if !lane.remove(*hash) {
+                unknown += 1;
             }
         }
-        lane.held -= released;
+        let guard = crossbeam_epoch::pin();
+        lane.settle(&self.counters, &guard);
         if unknown > 0 {
             self.unknown_removals.fetch_add(unknown, Ordering::Relaxed);
         }
@@ -376,14 +351,13 @@ impl KvIndex {
     /// Forget every block of one `(worker, dp rank)` (the engine cleared its cache). The slot
     /// stays registered.
     pub fn clear_worker_rank(&self, worker: WorkerKey) {
-        let Some(bit) = self.slot_of(worker) else {
+        let Some(slot) = self.slot_of(worker) else {
             return;
         };
-        let _gate = self.gate.read();
-        let gen = self.gen.load();
-        let mut lane = self.lanes[bit as usize].lock();
+        let mut lane = self.lanes[slot as usize].lock();
         if lane.owner == Some(worker) {
-            clear_lane(&gen, &mut lane, bit);
+            let guard = crossbeam_epoch::pin();
+            lane.clear(&self.counters, &guard);
         }
     }
 
@@ -394,26 +368,24 @@ impl KvIndex {
             .by_key
             .iter()
             .filter(|(key, _)| key.0 == worker_id)
-            .map(|(key, bit)| (*key, *bit))
+            .map(|(key, slot)| (*key, *slot))
             .collect();
-        for (key, bit) in ranks {
+        for (key, slot) in ranks {
             {
-                let _gate = self.gate.read();
-                let gen = self.gen.load();
-                let mut lane = self.lanes[bit as usize].lock();
+                let mut lane = self.lanes[slot as usize].lock();
                 if lane.owner != Some(key) {
                     continue;
                 }
-                clear_lane(&gen, &mut lane, bit);
+                let guard = crossbeam_epoch::pin();
+                lane.clear(&self.counters, &guard);
                 lane.owner = None;
-                lane.engine = EngineMap::default();
             }
             let mut admin = self.admin.lock();
             let mut next = (*self.registry.load_full()).clone();
-            if next.by_key.get(&key) == Some(&bit) {
+            if next.by_key.get(&key) == Some(&slot) {
                 next.by_key.remove(&key);
-                next.by_slot[bit as usize] = None;
-                admin.free.push_back(bit);
+                next.by_slot[slot as usize] = None;
+                admin.free.push_back(slot);
                 self.registry.store(Arc::new(next));
             }
         }
@@ -436,123 +408,96 @@ impl KvIndex {
         let Some(&first) = local_hashes.first() else {
             return;
         };
-        let gen = self.gen.load();
-        let Some(mut seg_id) = gen.children.find(ROOT_SEG, 0, first) else {
+        let guard = crossbeam_epoch::pin();
+        let Some(mut seg) = self.root.find_child(0, first, &guard) else {
             return;
         };
-        let width = gen.width;
-        let stride = gen.stride();
-        let n = local_hashes.len();
-        let mut alive = [0u64; MAX_WIDTH];
-        alive[..width].fill(u64::MAX);
-        let mut registry = None;
-        let mut report = |bits: &[u64], depth: usize, out: &mut Vec<(WorkerKey, u32)>| {
-            if depth == 0 {
-                return;
-            }
-            let registry = registry.get_or_insert_with(|| self.registry.load());
-            for (w, &word) in bits.iter().enumerate() {
-                let mut word = word;
-                while word != 0 {
-                    let bit = w * 64 + word.trailing_zeros() as usize;
-                    word &= word - 1;
-                    if let Some(Some(key)) = registry.by_slot.get(bit) {
-                        out.push((*key, depth as u32));
-                    }
+        let registry = self.registry.load();
+        let width = registry.by_slot.len().div_ceil(64).clamp(1, MAX_WIDTH);
+        let report = |slot: usize, depth: usize, out: &mut Vec<(WorkerKey, u32)>| {
+            if depth > 0 {
+                if let Some(Some(key)) = registry.by_slot.get(slot) {
+                    out.push((*key, depth as u32));
                 }
             }
         };
+        let report_word = |w: usize, mut word: u64, depth: usize, out: &mut Vec<_>| {
+            while word != 0 {
+                report(w * 64 + word.trailing_zeros() as usize, depth, out);
+                word &= word - 1;
+            }
+        };
+        let n = local_hashes.len();
+        let mut alive = [u64::MAX; MAX_WIDTH];
         let mut pos = 0usize;
-        let mut off = 0usize;
         loop {
-            let seg: &Seg = gen.seg(seg_id);
-            let len = seg.len.load(Ordering::Acquire) as usize;
-            let words = gen.words(seg);
-            // Clamp against a torn view; never index past the segment.
-            let len = len.min(words.len() / stride);
-            if width == 1 {
-                // The common case (up to 64 worker slots): two words per block, read in order.
-                let mut alive0 = alive[0];
-                while off < len && pos < n {
-                    let at = off * 2;
-                    if words[at].load(Ordering::Relaxed) != local_hashes[pos] {
-                        break;
-                    }
-                    let held = words[at + 1].load(Ordering::Acquire);
-                    let dropped = alive0 & !held;
-                    if dropped != 0 {
-                        report(&[dropped], pos, out);
-                        alive0 &= held;
-                        if alive0 == 0 {
-                            return;
-                        }
-                    }
-                    off += 1;
-                    pos += 1;
+            let contents = seg.published();
+            // Block 0 matches by construction (it is the child's key).
+            let avail = contents.len().min(n - pos);
+            let mut m = 1.min(avail);
+            while m < avail && contents[m].load(Ordering::Relaxed) == local_hashes[pos + m] {
+                m += 1;
+            }
+            // Workers that hold the whole matched stretch go on; the others stop inside it.
+            let mut keep = [0u64; MAX_WIDTH];
+            for entry in seg.holders() {
+                let slot = entry.slot.load(Ordering::Relaxed) as usize;
+                let (w, bit) = (slot / 64, 1u64 << (slot % 64));
+                if w >= width || alive[w] & bit == 0 {
+                    continue;
                 }
-                alive[0] = alive0;
-            } else {
-                while off < len && pos < n {
-                    let at = off * stride;
-                    if words[at].load(Ordering::Relaxed) != local_hashes[pos] {
-                        break;
-                    }
-                    let mut dropped = [0u64; MAX_WIDTH];
-                    let mut any_dropped = 0;
-                    let mut any_alive = 0;
-                    for w in 0..width {
-                        let held = words[at + 1 + w].load(Ordering::Acquire);
-                        dropped[w] = alive[w] & !held;
-                        alive[w] &= held;
-                        any_dropped |= dropped[w];
-                        any_alive |= alive[w];
-                    }
-                    if any_dropped != 0 {
-                        report(&dropped[..width], pos, out);
-                    }
-                    if any_alive == 0 {
-                        return;
-                    }
-                    off += 1;
-                    pos += 1;
+                let depth = entry.depth.load(Ordering::Acquire) as usize;
+                if depth >= m {
+                    keep[w] |= bit;
+                } else {
+                    report(slot, pos + depth, out);
+                    alive[w] &= !bit;
                 }
             }
+            let mut any = 0u64;
+            for w in 0..width {
+                // Alive but without an entry here: they hold none of this segment.
+                if pos > 0 {
+                    report_word(w, alive[w] & !keep[w], pos, out);
+                }
+                alive[w] = keep[w];
+                any |= keep[w];
+            }
+            if any == 0 {
+                return;
+            }
+            pos += m;
             if pos == n {
                 break;
             }
-            // The request leaves this segment here: a child continues it or nothing does.
-            match gen.children.find(seg_id, off as u32, local_hashes[pos]) {
-                Some(child) => {
-                    seg_id = child;
-                    off = 0;
-                }
+            match seg.find_child(m as u32, local_hashes[pos], &guard) {
+                Some(child) => seg = child,
                 None => break,
             }
         }
-        report(&alive[..width], pos, out);
+        for (w, &word) in alive.iter().enumerate().take(width) {
+            report_word(w, word, pos, out);
+        }
     }
 
     pub fn stats(&self) -> IndexStats {
-        let gen = self.gen.load();
         let registry = self.registry.load();
         let mut blocks = 0usize;
-        let mut bytes = gen.bytes();
-        for &bit in registry.by_key.values() {
-            let lane = self.lanes[bit as usize].lock();
+        let mut bytes = self.counters.bytes.load(Ordering::Relaxed);
+        for &slot in registry.by_key.values() {
+            let lane = self.lanes[slot as usize].lock();
             blocks += lane.held;
-            bytes += lane.engine.capacity() * 16;
+            bytes += lane.bytes();
         }
         IndexStats {
             blocks,
-            arena_blocks: gen.arena_blocks(),
-            segments: gen.segments(),
+            arena_blocks: self.counters.blocks.load(Ordering::Relaxed),
+            segments: self.counters.segments.load(Ordering::Relaxed),
+            segments_reclaimed: self.counters.reclaimed.load(Ordering::Relaxed),
             workers: registry.by_key.len(),
             bytes,
             rejected_stores: self.rejected_stores.load(Ordering::Relaxed),
             unknown_removals: self.unknown_removals.load(Ordering::Relaxed),
-            compactions: self.compactions.load(Ordering::Relaxed),
-            compaction_nanos: self.compaction_nanos.load(Ordering::Relaxed),
-            max_compaction_nanos: self.max_compaction_nanos.load(Ordering::Relaxed),
         }
     }
 
@@ -563,16 +508,16 @@ impl KvIndex {
 
     /// The worker's slot, registering it on first use.
     fn register(&self, worker: WorkerKey) -> Result<u32, IndexError> {
-        if let Some(bit) = self.slot_of(worker) {
-            return Ok(bit);
+        if let Some(slot) = self.slot_of(worker) {
+            return Ok(slot);
         }
         let mut admin = self.admin.lock();
         let current = self.registry.load_full();
-        if let Some(&bit) = current.by_key.get(&worker) {
-            return Ok(bit);
+        if let Some(&slot) = current.by_key.get(&worker) {
+            return Ok(slot);
         }
-        let bit = match admin.free.pop_front() {
-            Some(bit) => bit,
+        let slot = match admin.free.pop_front() {
+            Some(slot) => slot,
             None if (admin.next as usize) < MAX_WORKER_SLOTS => {
                 admin.next += 1;
                 admin.next - 1
@@ -583,266 +528,14 @@ impl KvIndex {
                 })
             }
         };
-        {
-            let mut lane = self.lanes[bit as usize].lock();
-            *lane = Lane {
-                owner: Some(worker),
-                ..Lane::default()
-            };
-        }
+        *self.lanes[slot as usize].lock() = Lane::new(worker);
         let mut next = (*current).clone();
-        next.by_key.insert(worker, bit);
-        if next.by_slot.len() <= bit as usize {
-            next.by_slot.resize(bit as usize + 1, None);
+        next.by_key.insert(worker, slot);
+        if next.by_slot.len() <= slot as usize {
+            next.by_slot.resize(slot as usize + 1, None);
         }
-        next.by_slot[bit as usize] = Some(worker);
+        next.by_slot[slot as usize] = Some(worker);
         self.registry.store(Arc::new(next));
-        Ok(bit)
+        Ok(slot)
     }
-
-    /// Build the next generation (dead blocks dropped, room for a store of `extra` blocks, at
-    /// least `width` holder words) and remap every worker's engine map. Excludes writers;
-    /// readers go on with the old generation until the new one is published.
-    fn compact(&self, extra: usize, width: usize) {
-        let _gate = self.gate.write();
-        let old = self.gen.load_full();
-        let width = width.max(old.width).min(MAX_WIDTH);
-        let room = old.arena_blocks() + extra + MIN_CAP <= self.compact_at.load(Ordering::Relaxed)
-            && old.segments() + extra < segments::MAX_SEGMENTS
-            && old.children.reserved.load(Ordering::Relaxed) + extra <= old.children.limit;
-        if room && width == old.width {
-            // Another writer compacted while we waited for the gate.
-            return;
-        }
-        let started = std::time::Instant::now();
-        let mut lanes: Vec<_> = self.lanes.iter().map(|lane| lane.lock()).collect();
-        let pinned = lanes
-            .iter()
-            .flat_map(|lane| lane.engine.values().map(unloc))
-            .collect::<Vec<_>>();
-        let (gen, remap) = old.compact(pinned.into_iter(), width, extra);
-        for lane in lanes.iter_mut() {
-            for at in lane.engine.values_mut() {
-                let (seg, off) = unloc(*at);
-                let seg = remap.get(seg as usize).copied().unwrap_or(GONE);
-                // Every pinned location survives by construction.
-                debug_assert_ne!(seg, GONE);
-                *at = loc(seg, off);
-            }
-        }
-        self.compact_at.store(
-            gen.arena_blocks() * 2 + 2 * (extra + MIN_CAP) + self.slack,
-            Ordering::Relaxed,
-        );
-        self.gen.store(Arc::new(gen));
-        self.compactions.fetch_add(1, Ordering::Relaxed);
-        let pause = started.elapsed().as_nanos() as u64;
-        self.compaction_nanos.fetch_add(pause, Ordering::Relaxed);
-        self.max_compaction_nanos
-            .fetch_max(pause, Ordering::Relaxed);
-    }
-}
-
-/// Hint the CPU to fetch the cache line holding `word` for writing soon.
-#[inline(always)]
-fn prefetch_word(word: &std::sync::atomic::AtomicU64) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let ptr = word as *const std::sync::atomic::AtomicU64 as *const i8;
-        // SAFETY: a prefetch is a hint that never faults; the pointer comes from a reference.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(ptr);
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = word;
-}
-
-/// Clear worker slot `bit` at a block; true when it was set.
-#[inline]
-fn clear_bit(gen: &Gen, at: u64, bit: u32) -> bool {
-    let (seg, off) = unloc(at);
-    let words = gen.words(gen.seg(seg));
-    let index = off as usize * gen.stride() + 1 + (bit >> 6) as usize;
-    let mask = 1u64 << (bit & 63);
-    // The caller holds the worker's lane: nobody else changes this bit (see apply_removed).
-    words.get(index).is_some_and(|word| {
-        let set = word.load(Ordering::Relaxed) & mask != 0;
-        if set {
-            word.fetch_and(!mask, Ordering::Release);
-        }
-        set
-    })
-}
-
-/// Set worker slot `bit` at a block; true when it was clear.
-#[inline]
-fn set_bit(gen: &Gen, at: u64, bit: u32) -> bool {
-    let (seg, off) = unloc(at);
-    let words = gen.words(gen.seg(seg));
-    let index = off as usize * gen.stride() + 1 + (bit >> 6) as usize;
-    let mask = 1u64 << (bit & 63);
-    // The caller holds the worker's lane: nobody else changes this bit.
-    words.get(index).is_some_and(|word| {
-        let clear = word.load(Ordering::Relaxed) & mask == 0;
-        if clear {
-            word.fetch_or(mask, Ordering::Release);
-        }
-        clear
-    })
-}
-
-/// Record `engine -> at` for the worker; a hash re-used at another position releases the old.
-#[inline]
-fn bind(gen: &Gen, lane: &mut Lane, bit: u32, engine: u64, at: u64) {
-    if let Some(old) = lane.engine.insert(engine, at) {
-        if old != at && clear_bit(gen, old, bit) {
-            lane.held -= 1;
-        }
-    }
-}
-
-/// Capacity of a new segment for a store with `remaining` blocks still to place: room for a
-/// decode tail to append in place, rounded to whole cache lines, not to a power of two (which
-/// wastes a quarter of the arena on average).
-fn cap_for(remaining: usize) -> usize {
-    (remaining + 2 * MIN_CAP).next_multiple_of(MIN_CAP)
-}
-
-/// The child segment continuing `(seg, k)` with `content`, created if absent (block 0 written,
-/// no holder yet). Counts creations in `children`.
-fn child(gen: &Gen, seg: u32, k: u32, content: u64, remaining: usize, children: &mut usize) -> u32 {
-    if let Some(child) = gen.children.find(seg, k, content) {
-        return child;
-    }
-    let parent_off = k.saturating_sub(1);
-    let Some(id) = gen.alloc_seg(seg, parent_off, cap_for(remaining)) else {
-        // Arena address space exhausted (compaction keeps this from happening): fall back to
-        // waiting for whoever holds the slot, which find_or_insert does.
-        return gen.children.find_or_insert(seg, k, content, || ROOT_SEG).0;
-    };
-    let target = gen.seg(id);
-    let words = gen.words(target);
-    if let Some(word) = words.first() {
-        word.store(content, Ordering::Relaxed);
-    }
-    target.len.store(1, Ordering::Release);
-    let (child, created) = gen.children.find_or_insert(seg, k, content, || id);
-    // A lost race leaves `id` unreachable and unheld; the next compaction drops it.
-    *children += created as usize;
-    child
-}
-
-/// Store a chain under the lane's lock. Returns the unknown parent hash on rejection.
-fn store_locked(
-    gen: &Gen,
-    lane: &mut Lane,
-    bit: u32,
-    parent: Option<u64>,
-    blocks: &[StoredBlock],
-    children: &mut usize,
-) -> Result<(), u64> {
-    let mut cur: Option<(u32, u32)> = match parent {
-        None => None,
-        Some(hash) => match lane.engine.get(hash) {
-            Some(at) => Some(unloc(at)),
-            None => return Err(hash),
-        },
-    };
-    let stride = gen.stride();
-    let word = 1 + (bit >> 6) as usize;
-    let mask = 1u64 << (bit & 63);
-    let mut i = 0;
-    while i < blocks.len() {
-        let block = &blocks[i];
-        if let Some(ahead) = blocks.get(i + PREFETCH_AHEAD) {
-            lane.engine.prefetch(ahead.block_hash);
-        }
-        let remaining = blocks.len() - i;
-        let next = match cur {
-            None => (
-                child(gen, ROOT_SEG, 0, block.tokens_hash, remaining, children),
-                0,
-            ),
-            Some((seg_id, off)) => {
-                let seg = gen.seg(seg_id);
-                let k = off as usize + 1;
-                let len = seg.len.load(Ordering::Acquire) as usize;
-                let words = gen.words(seg);
-                if k < len {
-                    if words[k * stride].load(Ordering::Relaxed) == block.tokens_hash {
-                        (seg_id, k as u32)
-                    } else {
-                        (
-                            child(
-                                gen,
-                                seg_id,
-                                k as u32,
-                                block.tokens_hash,
-                                remaining,
-                                children,
-                            ),
-                            0,
-                        )
-                    }
-                } else if k == len && k < seg.cap() {
-                    // The parent is the segment's last block: append in place, as many blocks
-                    // as fit, holder bit preset (nobody can see them before `len` moves).
-                    let guard = seg.lock.lock();
-                    if seg.len.load(Ordering::Acquire) as usize != k {
-                        drop(guard);
-                        continue; // someone appended meanwhile: look again
-                    }
-                    let m = remaining.min(seg.cap() - k);
-                    for (j, b) in blocks[i..i + m].iter().enumerate() {
-                        let at = (k + j) * stride;
-                        words[at].store(b.tokens_hash, Ordering::Relaxed);
-                        for w in 1..stride {
-                            words[at + w]
-                                .store(if w == word { mask } else { 0 }, Ordering::Relaxed);
-                        }
-                    }
-                    seg.len.store((k + m) as u32, Ordering::Release);
-                    drop(guard);
-                    for (j, b) in blocks[i..i + m].iter().enumerate() {
-                        if let Some(ahead) = blocks.get(i + j + PREFETCH_AHEAD) {
-                            lane.engine.prefetch(ahead.block_hash);
-                        }
-                        lane.held += 1;
-                        bind(gen, lane, bit, b.block_hash, loc(seg_id, (k + j) as u32));
-                    }
-                    cur = Some((seg_id, (k + m - 1) as u32));
-                    i += m;
-                    continue;
-                } else {
-                    (
-                        child(
-                            gen,
-                            seg_id,
-                            k as u32,
-                            block.tokens_hash,
-                            remaining,
-                            children,
-                        ),
-                        0,
-                    )
-                }
-            }
-        };
-        let at = loc(next.0, next.1);
-        if set_bit(gen, at, bit) {
-            lane.held += 1;
-        }
-        bind(gen, lane, bit, block.block_hash, at);
-        cur = Some(next);
-        i += 1;
-    }
-    Ok(())
-}
-
-fn clear_lane(gen: &Gen, lane: &mut Lane, bit: u32) {
-    for at in lane.engine.take_values() {
-        clear_bit(gen, at, bit);
-    }
-    lane.held = 0;
 }

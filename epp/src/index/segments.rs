@@ -1,59 +1,94 @@
-//! One generation of the index's shared structure: block positions stored as contiguous
-//! *segments* (runs of consecutive chain positions), the table of child segments where chains
-//! diverge, and the per-block holder bitsets.
+//! The index's shared structure: block positions stored as *segments* (runs of consecutive
+//! positions of one chain), each with its child table and its holder entries, and the
+//! reference counting that frees a segment as soon as nothing names a block in it.
 //!
 //! A position (a block identified by its whole content path) lives in exactly one place: the
-//! next offset of its parent's segment, or offset 0 of a child segment keyed by
-//! `(parent segment, offset, content)`. Lookups walk a segment as two parallel arrays read in
-//! order (content, holder words) and probe the child table only where the request leaves a
-//! segment; stores append to the segment of their parent when the parent is its last block.
+//! next offset of its parent's segment, or offset 0 of a child segment hanging off the parent
+//! segment at `(offset, content)`. Lookups compare a segment's contents as one array, read its
+//! holder entries once, and probe its child table only where the request leaves it.
 //!
-//! Concurrency contract (enforced by [`super::KvIndex`]):
-//! - Nothing a reader can reach is ever freed or reused within a generation: segments only
-//!   grow (`len` is published with a release store after the blocks are written), child-table
-//!   slots are claimed by CAS and published with a release store, holder words change by atomic
-//!   or/and only. A block no worker holds is *dead* and matches nobody.
-//! - Appending to a segment and creating a child take the segment's lock; writers of different
-//!   workers otherwise meet only on holder words.
-//! - Dead blocks are dropped by [`Gen::compact`], which builds the next generation while every
-//!   writer is excluded; readers finish on the old one.
+//! Holders: a segment keeps one entry per worker slot that ever held a block in it, with the
+//! worker's *depth* there: how many blocks from offset 0 it holds consecutively. Only that
+//! worker's writer stores the depth (a plain release store, no read-modify-write), so writers
+//! of different workers never contend on a word; the per-block holdings behind the depth are
+//! private to the worker's lane (module `holds`).
 //!
-//! Invariant that makes appends safe without a child-table probe: a child at offset `k` of a
-//! segment exists only if, when it was created, the segment already had a block at `k` (the
-//! chain diverged there) or was full (`k == cap`). `len` never shrinks and `cap` is fixed, so a
-//! segment with `len == k < cap` has no child at `k`, and appending there cannot duplicate one.
+//! Lifetime: `live` counts the lanes holding a reference (a lane references a segment while it
+//! names any block in it) plus the segment's live children. The writer that drops it to zero
+//! marks the segment dead (unless someone re-acquired it meanwhile), unlinks it from its
+//! parent's child table under the parent's lock, releases the parent's child reference (which
+//! may cascade) and retires the memory to the epoch collector: readers pin an epoch for a whole
+//! lookup, so nothing they can reach is freed under them. No pause, no copying.
+//!
+//! Concurrency contract:
+//! - `contents[..len]` never change once published (`len` grows by release stores, under the
+//!   segment's lock); `contents[0]` is the key of the segment in its parent's table.
+//! - A child is created, and a dead child replaced, only under the parent's lock.
+//! - A segment's `live` never goes up from zero after it was marked dead ([`Seg::try_acquire`]).
 
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
+use crossbeam_epoch::Guard;
 use parking_lot::Mutex;
 
-use super::hash::{bucket, step};
+use super::children::ChildTable;
 
-/// The virtual root segment: no blocks; chains start as its children at offset 0.
-pub(crate) const ROOT_SEG: u32 = 0;
-/// A dropped segment in a compaction's remap.
-pub(crate) const GONE: u32 = u32::MAX;
-
-/// Arena chunks grow geometrically: chunk `c` holds `2^(c + BASE_BITS)` elements, so a small
-/// index allocates little and a large one few chunks; a directory of 32 never moves, so readers
-/// index it without a lock.
-const CHUNKS: usize = 32;
-const BLOCK_BASE_BITS: u32 = 10;
-const SEG_BASE_BITS: u32 = 8;
-/// Segments one generation can hold (ids are u32); a store that could pass it compacts first.
-pub(crate) const MAX_SEGMENTS: usize = u32::MAX as usize / 2;
-/// Blocks one generation can hold (block indices are u32).
-const MAX_BLOCKS: u64 = u32::MAX as u64 / 2;
+/// `live` of a segment that was reclaimed.
+const DEAD: u32 = u32::MAX;
 /// Smallest and largest segment capacity (blocks). Room past a store's length lets decode
 /// blocks and the next turn of a conversation append in place.
 pub(crate) const MIN_CAP: usize = 16;
 pub(crate) const MAX_CAP: usize = 1 << 14;
+const INLINE_ENTRIES: usize = 4;
+const CHUNK_ENTRIES: usize = 28;
 
-/// Zeroed atomic words straight from the allocator: `vec![0; n]` is a calloc, so the OS hands
-/// out zero pages lazily and only the pages actually used are ever faulted in (building the
-/// slice with `AtomicU64::new(0)` one by one touches every page of a chunk up front).
-pub(crate) fn zeroed_words(n: usize) -> Box<[AtomicU64]> {
+/// A worker slot's depth in one segment. `slot` is written once, before the entry is
+/// published; `depth` only by the slot's writer.
+pub(crate) struct HolderEntry {
+    pub(crate) slot: AtomicU32,
+    pub(crate) depth: AtomicU32,
+}
+
+impl HolderEntry {
+    const fn new() -> Self {
+        HolderEntry {
+            slot: AtomicU32::new(0),
+            depth: AtomicU32::new(0),
+        }
+    }
+}
+
+struct EntryChunk {
+    entries: [HolderEntry; CHUNK_ENTRIES],
+    next: AtomicPtr<EntryChunk>,
+}
+
+/// Counters the segments keep up to date for [`super::IndexStats`].
+#[derive(Default)]
+pub(crate) struct SegCounters {
+    pub(crate) segments: AtomicUsize,
+    pub(crate) blocks: AtomicUsize,
+    pub(crate) bytes: AtomicUsize,
+    pub(crate) reclaimed: AtomicUsize,
+}
+
+pub(crate) struct Seg {
+    contents: Box<[AtomicU64]>,
+    pub(crate) len: AtomicU32,
+    live: AtomicU32,
+    parent: *const Seg,
+    /// Offset in the parent at which this segment hangs.
+    parent_off: u32,
+    pub(crate) lock: Mutex<()>,
+    children: AtomicPtr<ChildTable>,
+    entry_count: AtomicU32,
+    entries: [HolderEntry; INLINE_ENTRIES],
+    more: AtomicPtr<EntryChunk>,
+}
+
+/// Zeroed atomic words straight from the allocator (`vec![0; n]` is a calloc: pages are
+/// faulted in only when used).
+fn zeroed_words(n: usize) -> Box<[AtomicU64]> {
     const _: () = assert!(
         std::mem::size_of::<AtomicU64>() == std::mem::size_of::<u64>()
             && std::mem::align_of::<AtomicU64>() == std::mem::align_of::<u64>()
@@ -65,414 +100,353 @@ pub(crate) fn zeroed_words(n: usize) -> Box<[AtomicU64]> {
     unsafe { Box::from_raw(Box::into_raw(words) as *mut [AtomicU64]) }
 }
 
-/// `(chunk, offset)` of element `index` in a geometric arena with first chunk `2^base_bits`.
-#[inline(always)]
-fn locate(index: usize, base_bits: u32) -> (usize, usize) {
-    let q = (index >> base_bits) + 1;
-    let chunk = (usize::BITS - 1 - q.leading_zeros()) as usize;
-    (chunk, index - (((1usize << chunk) - 1) << base_bits))
+fn seg_bytes(cap: usize) -> usize {
+    std::mem::size_of::<Seg>() + cap * 8
 }
-
-#[inline(always)]
-fn chunk_len(chunk: usize, base_bits: u32) -> usize {
-    1usize << (chunk as u32 + base_bits)
-}
-
-#[inline(always)]
-fn chunk_start(chunk: usize, base_bits: u32) -> usize {
-    ((1usize << chunk) - 1) << base_bits
-}
-
-/// Segment header. Written once before the segment is published (except `len`).
-#[derive(Default)]
-pub(crate) struct Seg {
-    base: AtomicU32,
-    cap: AtomicU32,
-    pub(crate) len: AtomicU32,
-    parent: AtomicU32,
-    parent_off: AtomicU32,
-    pub(crate) lock: Mutex<()>,
-}
-
-static EMPTY_SEG: Seg = Seg {
-    base: AtomicU32::new(0),
-    cap: AtomicU32::new(0),
-    len: AtomicU32::new(0),
-    parent: AtomicU32::new(ROOT_SEG),
-    parent_off: AtomicU32::new(0),
-    lock: Mutex::new(()),
-};
 
 impl Seg {
-    pub(crate) fn cap(&self) -> usize {
-        self.cap.load(Ordering::Relaxed) as usize
-    }
-}
-
-/// The child table: `(segment, offset, content) -> child segment`, open addressing, slots of
-/// four words `[meta, segment << 32 | offset, content, -]`, claimed by CAS, never deleted.
-pub(crate) struct ChildTable {
-    slots: Box<[AtomicU64]>,
-    shift: u32,
-    mask: usize,
-    pub(crate) reserved: AtomicUsize,
-    pub(crate) limit: usize,
-}
-
-const EMPTY: u64 = 0;
-const BUSY: u64 = 1;
-const LIVE: u64 = 2;
-
-fn child_key(seg: u32, off: u32) -> u64 {
-    ((seg as u64) << 32) | off as u64
-}
-
-impl ChildTable {
-    fn new(capacity: usize) -> Self {
-        let capacity = capacity.next_power_of_two().max(64);
-        ChildTable {
-            slots: zeroed_words(capacity * 4),
-            shift: 64 - capacity.trailing_zeros(),
-            mask: capacity - 1,
-            reserved: AtomicUsize::new(0),
-            limit: capacity / 4 * 3,
+    fn new(parent: *const Seg, parent_off: u32, cap: usize, live: u32) -> Seg {
+        Seg {
+            contents: zeroed_words(cap),
+            len: AtomicU32::new(0),
+            live: AtomicU32::new(live),
+            parent,
+            parent_off,
+            lock: Mutex::new(()),
+            children: AtomicPtr::new(std::ptr::null_mut()),
+            entry_count: AtomicU32::new(0),
+            entries: [const { HolderEntry::new() }; INLINE_ENTRIES],
+            more: AtomicPtr::new(std::ptr::null_mut()),
         }
     }
 
-    fn capacity(&self) -> usize {
-        self.mask + 1
+    /// The root: no blocks, never reclaimed (its own reference is never released).
+    pub(crate) fn root() -> Box<Seg> {
+        Box::new(Seg::new(std::ptr::null(), 0, 0, 1))
     }
 
     #[inline(always)]
-    fn home(&self, key: u64, content: u64) -> usize {
-        bucket(step(key, content), self.shift) & self.mask
+    pub(crate) fn cap(&self) -> usize {
+        self.contents.len()
     }
 
+    /// The published blocks' content keys.
     #[inline(always)]
-    pub(crate) fn find(&self, seg: u32, off: u32, content: u64) -> Option<u32> {
-        let key = child_key(seg, off);
-        let mut slot = self.home(key, content);
-        loop {
-            let base = slot * 4;
-            let meta = self.slots[base].load(Ordering::Acquire);
-            if meta == EMPTY {
+    pub(crate) fn published(&self) -> &[AtomicU64] {
+        let len = (self.len.load(Ordering::Acquire) as usize).min(self.contents.len());
+        &self.contents[..len]
+    }
+
+    /// Append `contents` at `at` (the current length). Caller holds the lock, checked that
+    /// `len == at` and that they fit.
+    pub(crate) fn append_locked(&self, at: usize, contents: impl Iterator<Item = u64>) -> usize {
+        let mut end = at;
+        for (cell, content) in self.contents[at..].iter().zip(contents) {
+            cell.store(content, Ordering::Relaxed);
+            end += 1;
+        }
+        self.len.store(end as u32, Ordering::Release);
+        end
+    }
+
+    /// Holder entries published so far.
+    #[inline]
+    pub(crate) fn holders(&self) -> impl Iterator<Item = &HolderEntry> {
+        let count = self.entry_count.load(Ordering::Acquire) as usize;
+        let inline = self.entries.iter().take(count);
+        let mut left = count.saturating_sub(INLINE_ENTRIES);
+        let mut chunk = if left > 0 {
+            self.more.load(Ordering::Acquire)
+        } else {
+            std::ptr::null_mut()
+        };
+        let chunked = std::iter::from_fn(move || {
+            if left == 0 || chunk.is_null() {
                 return None;
             }
-            if meta & LIVE != 0
-                && self.slots[base + 1].load(Ordering::Relaxed) == key
-                && self.slots[base + 2].load(Ordering::Relaxed) == content
-            {
-                return Some((meta >> 32) as u32);
-            }
-            slot = (slot + 1) & self.mask;
-        }
+            // SAFETY: chunks are allocated before the count covering them is published, never
+            // freed while the segment lives, and the caller's reference keeps it alive.
+            let current = unsafe { &*chunk };
+            let take = left.min(CHUNK_ENTRIES);
+            left -= take;
+            chunk = current.next.load(Ordering::Acquire);
+            Some(current.entries[..take].iter())
+        })
+        .flatten();
+        inline.chain(chunked)
     }
 
-    /// The child, created by `make` if absent (then `true`). The caller reserved room.
-    pub(crate) fn find_or_insert(
+    /// `slot`'s entry, added if the slot never held a block here.
+    pub(crate) fn entry_for(&self, slot: u32, counters: &SegCounters) -> &HolderEntry {
+        if let Some(entry) = self
+            .holders()
+            .find(|e| e.slot.load(Ordering::Relaxed) == slot)
+        {
+            return entry;
+        }
+        let _guard = self.lock.lock();
+        if let Some(entry) = self
+            .holders()
+            .find(|e| e.slot.load(Ordering::Relaxed) == slot)
+        {
+            return entry;
+        }
+        let index = self.entry_count.load(Ordering::Relaxed) as usize;
+        let entry = if index < INLINE_ENTRIES {
+            &self.entries[index]
+        } else {
+            let mut at = index - INLINE_ENTRIES;
+            let mut link = &self.more;
+            loop {
+                let mut chunk = link.load(Ordering::Acquire);
+                if chunk.is_null() {
+                    chunk = Box::into_raw(Box::new(EntryChunk {
+                        entries: [const { HolderEntry::new() }; CHUNK_ENTRIES],
+                        next: AtomicPtr::new(std::ptr::null_mut()),
+                    }));
+                    counters
+                        .bytes
+                        .fetch_add(std::mem::size_of::<EntryChunk>(), Ordering::Relaxed);
+                    link.store(chunk, Ordering::Release);
+                }
+                // SAFETY: just loaded or allocated; chunks live as long as the segment.
+                let current = unsafe { &*chunk };
+                if at < CHUNK_ENTRIES {
+                    break &current.entries[at];
+                }
+                at -= CHUNK_ENTRIES;
+                link = &current.next;
+            }
+        };
+        entry.slot.store(slot, Ordering::Relaxed);
+        entry.depth.store(0, Ordering::Relaxed);
+        self.entry_count.store(index as u32 + 1, Ordering::Release);
+        entry
+    }
+
+    /// The child continuing after `off` blocks with `content` (lock-free; may be dead).
+    #[inline]
+    pub(crate) fn find_child<'g>(
         &self,
-        seg: u32,
         off: u32,
         content: u64,
-        make: impl FnOnce() -> u32,
-    ) -> (u32, bool) {
-        let key = child_key(seg, off);
-        let mut slot = self.home(key, content);
-        loop {
-            let base = slot * 4;
-            let cell = &self.slots[base];
-            let mut meta = cell.load(Ordering::Acquire);
-            if meta == EMPTY {
-                match cell.compare_exchange(EMPTY, BUSY, Ordering::Acquire, Ordering::Acquire) {
-                    Ok(_) => {
-                        self.slots[base + 1].store(key, Ordering::Relaxed);
-                        self.slots[base + 2].store(content, Ordering::Relaxed);
-                        let child = make();
-                        cell.store(((child as u64) << 32) | LIVE, Ordering::Release);
-                        return (child, true);
-                    }
-                    Err(actual) => meta = actual,
-                }
-            }
-            // Another writer is creating a child here, possibly this very one: wait for it.
-            while meta == BUSY {
-                std::hint::spin_loop();
-                meta = cell.load(Ordering::Acquire);
-            }
-            if self.slots[base + 1].load(Ordering::Relaxed) == key
-                && self.slots[base + 2].load(Ordering::Relaxed) == content
-            {
-                return ((meta >> 32) as u32, false);
-            }
-            slot = (slot + 1) & self.mask;
-        }
-    }
-
-    fn entries(&self) -> impl Iterator<Item = (u32, u32, u64, u32)> + '_ {
-        (0..self.capacity()).filter_map(move |slot| {
-            let base = slot * 4;
-            let meta = self.slots[base].load(Ordering::Acquire);
-            (meta & LIVE != 0).then(|| {
-                let key = self.slots[base + 1].load(Ordering::Relaxed);
-                (
-                    (key >> 32) as u32,
-                    key as u32,
-                    self.slots[base + 2].load(Ordering::Relaxed),
-                    (meta >> 32) as u32,
-                )
-            })
-        })
-    }
-
-    fn bytes(&self) -> usize {
-        self.slots.len() * 8
-    }
-}
-
-/// One generation: block arena, segment slab, child table.
-pub(crate) struct Gen {
-    /// Holder words per block (64 worker slots each).
-    pub(crate) width: usize,
-    /// Words per block: content + holder words.
-    stride: usize,
-    block_dir: Box<[OnceLock<Box<[AtomicU64]>>]>,
-    block_next: AtomicU64,
-    seg_dir: Box<[OnceLock<Box<[Seg]>>]>,
-    seg_next: AtomicU32,
-    pub(crate) children: ChildTable,
-}
-
-impl Gen {
-    pub(crate) fn new(width: usize, children: usize) -> Self {
-        let gen = Gen {
-            width,
-            stride: 1 + width,
-            block_dir: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
-            block_next: AtomicU64::new(0),
-            seg_dir: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
-            seg_next: AtomicU32::new(0),
-            children: ChildTable::new(children),
-        };
-        // Segment 0 is the root: no blocks, never appended to (cap 0).
-        let root = gen.alloc_seg(ROOT_SEG, 0, 0);
-        debug_assert_eq!(root, Some(ROOT_SEG));
-        gen
-    }
-
-    #[inline(always)]
-    pub(crate) fn seg(&self, id: u32) -> &Seg {
-        let (chunk, offset) = locate(id as usize, SEG_BASE_BITS);
-        match self.seg_dir.get(chunk).and_then(OnceLock::get) {
-            Some(segs) => &segs[offset],
-            None => &EMPTY_SEG,
-        }
-    }
-
-    /// The words of a segment's blocks (`cap * stride`), all in one chunk.
-    #[inline(always)]
-    pub(crate) fn words(&self, seg: &Seg) -> &[AtomicU64] {
-        let base = seg.base.load(Ordering::Relaxed) as usize;
-        let cap = seg.cap.load(Ordering::Relaxed) as usize;
-        let (chunk, offset) = locate(base, BLOCK_BASE_BITS);
-        match self.block_dir.get(chunk).and_then(OnceLock::get) {
-            Some(words) => {
-                let start = offset * self.stride;
-                words.get(start..start + cap * self.stride).unwrap_or(&[])
-            }
-            None => &[],
-        }
-    }
-
-    #[inline(always)]
-    pub(crate) fn stride(&self) -> usize {
-        self.stride
-    }
-
-    /// A new segment under `(parent, parent_off)` with room for `cap` blocks; `None` when the
-    /// arena's address space is exhausted.
-    pub(crate) fn alloc_seg(&self, parent: u32, parent_off: u32, cap: usize) -> Option<u32> {
-        let cap = cap.min(MAX_CAP);
-        let id = self.seg_next.fetch_add(1, Ordering::Relaxed);
-        if id as usize >= MAX_SEGMENTS {
+        _guard: &'g Guard,
+    ) -> Option<&'g Seg> {
+        let table = self.children.load(Ordering::Acquire);
+        if table.is_null() {
             return None;
         }
-        let (chunk, offset) = locate(id as usize, SEG_BASE_BITS);
-        let segs = self.seg_dir.get(chunk)?.get_or_init(|| {
-            (0..chunk_len(chunk, SEG_BASE_BITS))
-                .map(|_| Seg::default())
-                .collect()
-        });
-        // A block range that does not straddle a chunk.
-        let mut next = self.block_next.load(Ordering::Relaxed);
-        let base = loop {
-            let mut start = next as usize;
-            loop {
-                let (chunk, offset) = locate(start, BLOCK_BASE_BITS);
-                if offset + cap <= chunk_len(chunk, BLOCK_BASE_BITS) {
-                    break;
-                }
-                start = chunk_start(chunk + 1, BLOCK_BASE_BITS);
-            }
-            let end = (start + cap) as u64;
-            if end > MAX_BLOCKS {
-                return None;
-            }
-            match self.block_next.compare_exchange_weak(
-                next,
-                end,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => break start,
-                Err(actual) => next = actual,
-            }
-        };
-        let stride = self.stride;
-        let (block_chunk, _) = locate(base, BLOCK_BASE_BITS);
-        self.block_dir
-            .get(block_chunk)?
-            .get_or_init(|| zeroed_words(chunk_len(block_chunk, BLOCK_BASE_BITS) * stride));
-        let seg = &segs[offset];
-        seg.base.store(base as u32, Ordering::Relaxed);
-        seg.cap.store(cap as u32, Ordering::Relaxed);
-        seg.len.store(0, Ordering::Relaxed);
-        seg.parent.store(parent, Ordering::Relaxed);
-        seg.parent_off.store(parent_off, Ordering::Relaxed);
-        Some(id)
+        // SAFETY: tables are retired through the epoch collector and the caller is pinned.
+        let child = unsafe { (*table).find(off, content) };
+        // SAFETY: segments are retired through the epoch collector and the caller is pinned.
+        (!child.is_null()).then(|| unsafe { &*child })
     }
 
-    /// Blocks handed out so far (live, dead and slack).
-    pub(crate) fn arena_blocks(&self) -> usize {
-        self.block_next.load(Ordering::Relaxed) as usize
+    /// Take a reference unless the segment was reclaimed.
+    #[inline]
+    pub(crate) fn try_acquire(&self) -> bool {
+        self.live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |live| {
+                (live != DEAD).then(|| live + 1)
+            })
+            .is_ok()
     }
 
-    pub(crate) fn segments(&self) -> usize {
-        self.seg_next.load(Ordering::Relaxed) as usize
+    /// Give back a reference taken by [`Seg::try_acquire`] when the caller is known to hold
+    /// another one (so this cannot be the last).
+    #[inline]
+    pub(crate) fn release_extra(&self) {
+        self.live.fetch_sub(1, Ordering::AcqRel);
     }
 
-    pub(crate) fn bytes(&self) -> usize {
-        let blocks: usize = self
-            .block_dir
-            .iter()
-            .filter_map(OnceLock::get)
-            .map(|words| words.len() * 8)
-            .sum();
-        let segs: usize = self
-            .seg_dir
-            .iter()
-            .filter_map(OnceLock::get)
-            .map(|segs| segs.len() * std::mem::size_of::<Seg>())
-            .sum();
-        blocks + segs + self.children.bytes()
-    }
-
-    /// The next generation: only blocks some worker holds, blocks `pinned` by a worker's
-    /// engine map (`(segment, offset)` pairs), and their ancestors, with `width` holder words
-    /// and a child table with room for `extra_children` more. Returns the old-to-new segment
-    /// map (`GONE` for dropped segments); offsets within kept segments do not change.
-    ///
-    /// Must run with every writer excluded; readers may keep using `self`.
-    pub(crate) fn compact(
+    /// The child continuing after `off` blocks with `content`, created (first block written,
+    /// capacity `cap`) if absent or dead, returned with a reference the caller now owns. The
+    /// caller holds a reference to `self`.
+    pub(crate) fn acquire_child<'g>(
         &self,
-        pinned: impl Iterator<Item = (u32, u32)>,
-        width: usize,
-        extra_children: usize,
-    ) -> (Gen, Vec<u32>) {
-        let segs = self.segments();
-        // keep[s]: how many leading blocks of segment s survive.
-        let mut keep = vec![0u32; segs];
-        for (s, kept) in keep.iter_mut().enumerate().skip(1) {
-            let seg = self.seg(s as u32);
-            let len = seg.len.load(Ordering::Acquire) as usize;
-            let words = self.words(seg);
-            for off in (0..len).rev() {
-                let at = off * self.stride;
-                if (1..self.stride).any(|w| words[at + w].load(Ordering::Relaxed) != 0) {
-                    *kept = off as u32 + 1;
-                    break;
+        off: u32,
+        content: u64,
+        cap: usize,
+        counters: &SegCounters,
+        guard: &'g Guard,
+    ) -> &'g Seg {
+        if let Some(child) = self.find_child(off, content, guard) {
+            if child.try_acquire() {
+                return child;
+            }
+        }
+        let _lock = self.lock.lock();
+        let mut table = self.children.load(Ordering::Acquire);
+        if !table.is_null() {
+            // SAFETY: we hold the lock; only lock holders replace or retire the table.
+            let current = unsafe { &*table };
+            let child = current.find(off, content);
+            if !child.is_null() {
+                // SAFETY: pinned; see `find_child`.
+                let found = unsafe { &*child };
+                if found.try_acquire() {
+                    return found;
+                }
+                // Dead but not unlinked yet: unlink it for its reclaimer (which will find
+                // nothing left to do) and hang a fresh child in its place.
+                current.remove(off, content, child);
+            }
+            if current.full() {
+                let next = Box::into_raw(current.rebuilt());
+                // SAFETY: both pointers are valid; the new table is complete before publishing.
+                let (old_bytes, new_bytes) = unsafe { ((*table).bytes(), (*next).bytes()) };
+                self.children.store(next, Ordering::Release);
+                counters.bytes.fetch_add(new_bytes, Ordering::Relaxed);
+                counters.bytes.fetch_sub(old_bytes, Ordering::Relaxed);
+                let old = SendPtr(table);
+                // SAFETY: unpublished above; readers still in it are pinned, so the collector
+                // frees it only after they unpin.
+                unsafe { guard.defer_unchecked(move || drop(Box::from_raw(old.get()))) };
+                table = next;
+            }
+        } else {
+            table = Box::into_raw(ChildTable::with_room(1));
+            // SAFETY: just allocated.
+            counters
+                .bytes
+                .fetch_add(unsafe { (*table).bytes() }, Ordering::Relaxed);
+            self.children.store(table, Ordering::Release);
+        }
+        let cap = cap.clamp(MIN_CAP, MAX_CAP);
+        let child = Box::into_raw(Box::new(Seg::new(self, off, cap, 1)));
+        // SAFETY: just allocated, not yet published.
+        let child_ref = unsafe { &*child };
+        child_ref.append_locked(0, std::iter::once(content));
+        counters.segments.fetch_add(1, Ordering::Relaxed);
+        counters.blocks.fetch_add(cap, Ordering::Relaxed);
+        counters.bytes.fetch_add(seg_bytes(cap), Ordering::Relaxed);
+        // The child holds a reference to its parent for as long as it lives.
+        self.live.fetch_add(1, Ordering::AcqRel);
+        // SAFETY: `table` is the current table and we hold the lock.
+        unsafe { (*table).insert(off, content, child) };
+        child_ref
+    }
+
+    /// Drop one reference; the last one reclaims the segment (and, through the child
+    /// reference, possibly its ancestors).
+    pub(crate) fn release(&self, counters: &SegCounters, guard: &Guard) {
+        let mut seg: *const Seg = self;
+        loop {
+            // SAFETY: the caller (or the child being reclaimed) held a reference to `seg`.
+            let current = unsafe { &*seg };
+            if current.live.fetch_sub(1, Ordering::AcqRel) != 1 || current.parent.is_null() {
+                return;
+            }
+            if current
+                .live
+                .compare_exchange(0, DEAD, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                return; // re-acquired meanwhile; its new holder releases it later
+            }
+            // SAFETY: a live child keeps a reference to its parent, so the parent is alive.
+            let parent = unsafe { &*current.parent };
+            {
+                let _lock = parent.lock.lock();
+                let table = parent.children.load(Ordering::Acquire);
+                if !table.is_null() {
+                    // SAFETY: lock held; the table is current.
+                    unsafe { (*table).remove(current.parent_off, current.first(), seg) };
                 }
             }
+            counters.segments.fetch_sub(1, Ordering::Relaxed);
+            counters.blocks.fetch_sub(current.cap(), Ordering::Relaxed);
+            counters.bytes.fetch_sub(current.bytes(), Ordering::Relaxed);
+            counters.reclaimed.fetch_add(1, Ordering::Relaxed);
+            let dead = SendPtr(seg as *mut Seg);
+            // SAFETY: unlinked above and unnamed by every lane (live reached zero), so only
+            // pinned readers can still reach it; the collector frees it after they unpin.
+            unsafe { guard.defer_unchecked(move || free(dead.get())) };
+            seg = parent;
         }
-        for (s, off) in pinned {
-            if let Some(kept) = keep.get_mut(s as usize) {
-                *kept = (*kept).max(off + 1);
-            }
+    }
+
+    fn first(&self) -> u64 {
+        self.contents
+            .first()
+            .map_or(0, |c| c.load(Ordering::Relaxed))
+    }
+
+    /// Heap bytes of this segment (header, contents, entry chunks, child table).
+    fn bytes(&self) -> usize {
+        let mut bytes = seg_bytes(self.cap());
+        let mut chunk = self.more.load(Ordering::Acquire);
+        while !chunk.is_null() {
+            bytes += std::mem::size_of::<EntryChunk>();
+            // SAFETY: chunks live as long as the segment.
+            chunk = unsafe { (*chunk).next.load(Ordering::Acquire) };
         }
-        // Ancestor closure: a child segment is created after its parent, so one pass from the
-        // newest segment down carries every requirement to the root.
-        for s in (1..segs).rev() {
-            if keep[s] == 0 {
-                continue;
-            }
-            let seg = self.seg(s as u32);
-            let parent = seg.parent.load(Ordering::Relaxed) as usize;
-            if parent != ROOT_SEG as usize {
-                let need = seg.parent_off.load(Ordering::Relaxed) + 1;
-                keep[parent] = keep[parent].max(need);
-            }
+        let table = self.children.load(Ordering::Acquire);
+        if !table.is_null() {
+            // SAFETY: the table lives as long as the segment (or until retired by the owner).
+            bytes += unsafe { (*table).bytes() };
         }
-        // A segment cut right where a kept child hangs must not be appended to (see the module
-        // invariant): it keeps exactly its length as capacity.
-        let mut sealed = vec![false; segs];
-        let mut live_children = 0usize;
-        for (parent, off, _, child) in self.children.entries() {
-            if (child as usize) < segs && keep[child as usize] > 0 {
-                live_children += 1;
-                if keep.get(parent as usize) == Some(&off) {
-                    sealed[parent as usize] = true;
-                }
-            }
+        bytes
+    }
+
+    /// Free every segment below `self` (the index is being dropped: no reader or writer
+    /// remains). Dead segments are not in any table and are freed by the collector.
+    pub(crate) fn free_descendants(&self) {
+        let mut stack: Vec<*mut Seg> = self.children_now();
+        while let Some(seg) = stack.pop() {
+            // SAFETY: reachable from the root, so alive and owned by the index.
+            stack.extend(unsafe { (*seg).children_now() });
+            // SAFETY: each live segment is in exactly one table, so it is freed once.
+            unsafe { free(seg) };
         }
-        let next = Gen::new(width, (live_children + extra_children) * 8 / 3 + 64);
-        let mut remap = vec![GONE; segs];
-        remap[ROOT_SEG as usize] = ROOT_SEG;
-        for s in 1..segs {
-            let len = keep[s] as usize;
-            if len == 0 {
-                continue;
-            }
-            let seg = self.seg(s as u32);
-            let old_cap = seg.cap();
-            let cap = if sealed[s] {
-                len
-            } else if len < old_cap && seg.len.load(Ordering::Relaxed) as usize == len {
-                // Still growing at its end: keep the room it had.
-                old_cap
-            } else {
-                (len + MIN_CAP)
-                    .next_multiple_of(MIN_CAP)
-                    .min(MAX_CAP)
-                    .max(len)
-            };
-            let parent = remap[seg.parent.load(Ordering::Relaxed) as usize];
-            let Some(id) = next.alloc_seg(parent, seg.parent_off.load(Ordering::Relaxed), cap)
-            else {
-                continue;
-            };
-            remap[s] = id;
-            let from = self.words(seg);
-            let target = next.seg(id);
-            let to = next.words(target);
-            let words = width.min(self.width);
-            for off in 0..len {
-                let (a, b) = (off * self.stride, off * next.stride);
-                to[b].store(from[a].load(Ordering::Relaxed), Ordering::Relaxed);
-                for w in 0..words {
-                    to[b + 1 + w].store(from[a + 1 + w].load(Ordering::Relaxed), Ordering::Relaxed);
-                }
-            }
-            target.len.store(len as u32, Ordering::Relaxed);
+        self.free_own_parts();
+    }
+
+    fn children_now(&self) -> Vec<*mut Seg> {
+        let table = self.children.load(Ordering::Acquire);
+        if table.is_null() {
+            return Vec::new();
         }
-        for (parent, off, content, child) in self.children.entries() {
-            let (Some(&p), Some(&c)) = (remap.get(parent as usize), remap.get(child as usize))
-            else {
-                continue;
-            };
-            if p != GONE && c != GONE {
-                next.children.find_or_insert(p, off, content, || c);
-                next.children.reserved.fetch_add(1, Ordering::Relaxed);
-            }
+        // SAFETY: the table is current.
+        unsafe { (*table).entries().map(|(_, _, child)| child).collect() }
+    }
+
+    /// Free the entry chunks and the child table (not the children).
+    fn free_own_parts(&self) {
+        let table = self.children.swap(std::ptr::null_mut(), Ordering::AcqRel);
+        if !table.is_null() {
+            // SAFETY: allocated by `Box::into_raw`, now unpublished.
+            drop(unsafe { Box::from_raw(table) });
         }
-        (next, remap)
+        let mut chunk = self.more.swap(std::ptr::null_mut(), Ordering::AcqRel);
+        while !chunk.is_null() {
+            // SAFETY: allocated by `Box::into_raw`, now unpublished.
+            let owned = unsafe { Box::from_raw(chunk) };
+            chunk = owned.next.load(Ordering::Acquire);
+        }
     }
 }
+
+/// Free a segment allocated by `acquire_child`.
+///
+/// # Safety
+/// `seg` came from `Box::into_raw` in `acquire_child`, and nobody can reach it any more.
+unsafe fn free(seg: *mut Seg) {
+    // SAFETY: per the contract above.
+    let owned = unsafe { Box::from_raw(seg) };
+    owned.free_own_parts();
+}
+
+/// A raw pointer handed to the epoch collector, which may run the deferred free on another
+/// thread.
+struct SendPtr<T>(*mut T);
+
+impl<T> SendPtr<T> {
+    fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+// SAFETY: the pointee is only freed by the receiving closure, once, after every thread that
+// could reach it unpinned.
+unsafe impl<T> Send for SendPtr<T> {}

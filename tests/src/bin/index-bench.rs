@@ -38,9 +38,6 @@ struct Args {
     /// Bisection steps for the naive baseline (slow: tens of seconds per trial).
     #[arg(long, default_value_t = 3)]
     naive_steps: usize,
-    /// Compaction slack of our index in blocks (default: the index's own default).
-    #[arg(long)]
-    ours_compaction_slack: Option<usize>,
     /// Skip the exactness cross-check.
     #[arg(long)]
     no_cross_check: bool,
@@ -151,7 +148,7 @@ fn main() -> Result<()> {
             let (name, result) = match backend.as_str() {
                 "ours" => run_backend(
                     &label,
-                    &|| Ours::with_slack(&shared, args.ours_compaction_slack),
+                    &|| Ours::prepare(&shared),
                     &plan,
                     &corpus.hashes,
                     args.steps,

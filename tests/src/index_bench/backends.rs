@@ -64,7 +64,7 @@ pub trait Backend: Sync {
     fn lookup(&self, hashes: &[u64], out: &mut Vec<(usize, u32)>);
     /// Approximate bytes held by the index and the lanes' maps.
     fn memory_bytes(&self, lanes: &[Self::Lane]) -> usize;
-    /// Backend-specific remarks after a trial (ours: compaction pauses).
+    /// Backend-specific remarks after a trial (ours: segments live and reclaimed).
     fn notes(&self) -> String {
         String::new()
     }
@@ -83,13 +83,8 @@ pub struct Ours<'c> {
 
 impl<'c> Ours<'c> {
     pub fn prepare(shared: &Shared<'c>) -> Self {
-        Self::with_slack(shared, None)
-    }
-
-    /// With a compaction slack other than the index's default (`KvIndex::with_compaction_slack`).
-    pub fn with_slack(shared: &Shared<'c>, slack: Option<usize>) -> Self {
         Ours {
-            index: slack.map_or_else(KvIndex::new, KvIndex::with_compaction_slack),
+            index: KvIndex::new(),
             keys: shared.workers.clone(),
             slot_of: shared
                 .workers
@@ -162,10 +157,8 @@ impl Backend for Ours<'_> {
     fn notes(&self) -> String {
         let stats = self.index.stats();
         format!(
-            "{} compactions, writers paused {:.1} ms in all, longest {:.1} ms",
-            stats.compactions,
-            stats.compaction_nanos as f64 / 1e6,
-            stats.max_compaction_nanos as f64 / 1e6
+            "{} segments live, {} reclaimed",
+            stats.segments, stats.segments_reclaimed
         )
     }
 }
