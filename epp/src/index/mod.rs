@@ -70,7 +70,7 @@ pub type WorkerKey = (u64, u32);
 pub const MAX_WORKER_SLOTS: usize = 1024;
 const MAX_WIDTH: usize = MAX_WORKER_SLOTS / 64;
 /// Engine-map keys prefetched ahead of the one being applied in a batch.
-const PREFETCH_AHEAD: usize = 16;
+const PREFETCH_AHEAD: usize = 8;
 
 /// Per-worker matched depth: consecutive blocks from block 0 held, for workers with depth > 0.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
