@@ -170,6 +170,30 @@ impl Drop for KvIndex {
     }
 }
 
+/// Length of the common prefix of `have` and `want`, known to be at least `from` (clamped to
+/// both lengths). Compares eight words per step without a branch inside, so long hits go at
+/// memory speed.
+#[inline]
+fn common_prefix(have: &[u64], want: &[u64], from: usize) -> usize {
+    let n = have.len().min(want.len());
+    let mut m = from.min(n);
+    const STEP: usize = 8;
+    while m + STEP <= n {
+        let diff = have[m..m + STEP]
+            .iter()
+            .zip(&want[m..m + STEP])
+            .fold(0u64, |acc, (a, b)| acc | (a ^ b));
+        if diff != 0 {
+            break;
+        }
+        m += STEP;
+    }
+    while m < n && have[m] == want[m] {
+        m += 1;
+    }
+    m
+}
+
 /// Capacity of a new segment for a store with `remaining` blocks still to place: room for a
 /// decode tail to append in place, rounded to whole cache lines.
 fn cap_for(remaining: usize) -> usize {
@@ -431,13 +455,8 @@ impl KvIndex {
         let mut alive = [u64::MAX; MAX_WIDTH];
         let mut pos = 0usize;
         loop {
-            let contents = seg.published();
             // Block 0 matches by construction (it is the child's key).
-            let avail = contents.len().min(n - pos);
-            let mut m = 1.min(avail);
-            while m < avail && contents[m].load(Ordering::Relaxed) == local_hashes[pos + m] {
-                m += 1;
-            }
+            let m = common_prefix(seg.published_words(), &local_hashes[pos..], 1);
             // Workers that hold the whole matched stretch go on; the others stop inside it.
             let mut keep = [0u64; MAX_WIDTH];
             for entry in seg.holders() {

@@ -137,6 +137,17 @@ impl Seg {
         &self.contents[..len]
     }
 
+    /// The published blocks' content keys as plain words, for comparing in bulk.
+    #[inline(always)]
+    pub(crate) fn published_words(&self) -> &[u64] {
+        let published = self.published();
+        // SAFETY: `AtomicU64` and `u64` share size, alignment and bit validity (asserted in
+        // `zeroed_words`), and published blocks are never written again (appends only write
+        // past `len`, which the acquire load above ordered after their writes), so reading
+        // them non-atomically races with nothing.
+        unsafe { std::slice::from_raw_parts(published.as_ptr() as *const u64, published.len()) }
+    }
+
     /// Append `contents` at `at` (the current length). Caller holds the lock, checked that
     /// `len == at` and that they fit.
     pub(crate) fn append_locked(&self, at: usize, contents: impl Iterator<Item = u64>) -> usize {

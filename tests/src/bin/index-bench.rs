@@ -1,8 +1,12 @@
 //! `index-bench`: the KV index replay benchmark. For each corpus (from `kv-corpus`): the
 //! exactness cross-check (every lookup: ours vs the reference index vs ChainIndex), then per
 //! backend the flat-out capacity and the sustained block ops/s (highest offered rate of which
-//! at least 99% is achieved), lookup p50/p99 at that load and memory; ends with a table, a JSON record and an SVG
-//! chart. See `kvroute_tests::index_bench::replay` for the definitions.
+//! at least 99% is achieved), lookup p50/p99 at that load and memory; ends with a table, a JSON
+//! record and an SVG chart. See `kvroute_tests::index_bench::replay` for the definitions.
+//!
+//! With `--rounds N` the ours/ChainIndex searches run N times, alternating which goes first, so
+//! that interference from the rest of the machine falls on both; the table shows each backend's
+//! median round (by sustained rate) and the per-round ratios are printed beside it.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -38,6 +42,10 @@ struct Args {
     /// Bisection steps for the naive baseline (slow: tens of seconds per trial).
     #[arg(long, default_value_t = 3)]
     naive_steps: usize,
+    /// Rounds of the ours/ChainIndex searches (alternating order); the table reports each
+    /// backend's median round. The naive baseline runs once.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
     /// Skip the exactness cross-check.
     #[arg(long)]
     no_cross_check: bool,
@@ -53,6 +61,19 @@ struct Row {
     label: String,
     backend: &'static str,
     search: Search,
+    /// Sustained rate of every round, in round order.
+    rounds: Vec<f64>,
+}
+
+fn sustained(search: &Search) -> f64 {
+    search.sustained.as_ref().map_or(0.0, |s| s.0)
+}
+
+/// The round with the median sustained rate (the lower middle for an even count).
+fn median_round(mut searches: Vec<Search>) -> Search {
+    searches.sort_by(|a, b| sustained(a).total_cmp(&sustained(b)));
+    let middle = (searches.len() - 1) / 2;
+    searches.swap_remove(middle)
 }
 
 fn mops(v: f64) -> String {
@@ -144,45 +165,77 @@ fn main() -> Result<()> {
             checks.push((label.clone(), check));
         }
         let plan = Plan::new(&shared, &evs, args.lanes);
-        for backend in &args.backends {
-            let (name, result) = match backend.as_str() {
-                "ours" => run_backend(
-                    &label,
-                    &|| Ours::prepare(&shared),
-                    &plan,
-                    &corpus.hashes,
-                    args.steps,
-                    args.repeats,
-                ),
-                "chain" => {
-                    // Fail early, outside the timed closure, if interning cannot work.
-                    Chain::prepare(&shared)?;
-                    run_backend(
+        let mut results: Vec<(&'static str, Vec<Search>)> = Vec::new();
+        for round in 0..args.rounds.max(1) {
+            let mut order: Vec<&String> = args.backends.iter().collect();
+            if round % 2 == 1 {
+                order.reverse();
+            }
+            for backend in order {
+                if backend == "naive" && round > 0 {
+                    continue;
+                }
+                if args.rounds > 1 {
+                    eprintln!("[{label}] round {} of {}", round + 1, args.rounds);
+                }
+                let (name, result) = match backend.as_str() {
+                    "ours" => run_backend(
                         &label,
-                        &|| match Chain::prepare(&shared) {
-                            Ok(chain) => chain,
-                            Err(e) => panic!("ChainIndex preparation failed after succeeding: {e}"),
-                        },
+                        &|| Ours::prepare(&shared),
                         &plan,
                         &corpus.hashes,
                         args.steps,
                         args.repeats,
-                    )
+                    ),
+                    "chain" => {
+                        // Fail early, outside the timed closure, if interning cannot work.
+                        Chain::prepare(&shared)?;
+                        run_backend(
+                            &label,
+                            &|| match Chain::prepare(&shared) {
+                                Ok(chain) => chain,
+                                Err(e) => {
+                                    panic!("ChainIndex preparation failed after succeeding: {e}")
+                                }
+                            },
+                            &plan,
+                            &corpus.hashes,
+                            args.steps,
+                            args.repeats,
+                        )
+                    }
+                    _ => run_backend(
+                        &label,
+                        &|| Naive::prepare(&shared),
+                        &plan,
+                        &corpus.hashes,
+                        args.naive_steps,
+                        1,
+                    ),
+                };
+                match results.iter_mut().find(|(n, _)| *n == name) {
+                    Some((_, searches)) => searches.push(result),
+                    None => results.push((name, vec![result])),
                 }
-                _ => run_backend(
-                    &label,
-                    &|| Naive::prepare(&shared),
-                    &plan,
-                    &corpus.hashes,
-                    args.naive_steps,
-                    1,
-                ),
+            }
+        }
+        // Table order: as the backends were given.
+        for backend in &args.backends {
+            let name = match backend.as_str() {
+                "ours" => "kvroute KvIndex",
+                "chain" => "kv-index ChainIndex",
+                _ => "naive nested map",
             };
-            rows.push(Row {
-                label: label.clone(),
-                backend: name,
-                search: result,
-            });
+            if let Some(at) = results.iter().position(|(n, _)| *n == name) {
+                let (name, searches) = results.swap_remove(at);
+                let rounds = searches.iter().map(sustained).collect();
+                rows.push(Row {
+                    label: label.clone(),
+                    backend: name,
+                    search: median_round(searches),
+                    rounds,
+                });
+            }
         }
         corpora_json.push(serde_json::json!({
             "path": path.display().to_string(),
@@ -237,6 +290,7 @@ fn main() -> Result<()> {
             "memory_bytes": row.search.capacity.memory_bytes,
             "apply_failures": row.search.capacity.apply_failures,
             "ratio_vs_chain": ratio,
+            "sustained_per_round": row.rounds,
             "points": row.search.points.iter().map(|(offered, kept, achieved)| serde_json::json!({
                 "offered": offered, "kept_up": kept, "achieved": achieved
             })).collect::<Vec<_>>(),
@@ -250,6 +304,35 @@ fn main() -> Result<()> {
             .and_then(|r| r.search.sustained.as_ref().map(|s| s.0))
         {
             println!("{}: ratio vs ChainIndex: {:.2}", row.label, ours / chain);
+            if let Some(chain_row) = rows
+                .iter()
+                .find(|r| r.label == row.label && r.backend == "kv-index ChainIndex")
+            {
+                if row.rounds.len() > 1 {
+                    let per_round: Vec<String> = row
+                        .rounds
+                        .iter()
+                        .zip(&chain_row.rounds)
+                        .map(|(o, c)| format!("{:.2}", o / c))
+                        .collect();
+                    println!(
+                        "{}: per round: ours {} M, ChainIndex {} M, ratio {}",
+                        row.label,
+                        row.rounds
+                            .iter()
+                            .map(|r| format!("{:.1}", r / 1e6))
+                            .collect::<Vec<_>>()
+                            .join(" / "),
+                        chain_row
+                            .rounds
+                            .iter()
+                            .map(|r| format!("{:.1}", r / 1e6))
+                            .collect::<Vec<_>>()
+                            .join(" / "),
+                        per_round.join(" / ")
+                    );
+                }
+            }
         }
     }
     for (label, check) in &checks {
@@ -301,6 +384,7 @@ fn main() -> Result<()> {
     if let Some(path) = &args.json {
         let record = serde_json::json!({
             "lanes": args.lanes,
+            "rounds": args.rounds,
             "load_average_at_start": load.trim(),
             "corpora": corpora_json,
             "rows": json_rows,
