@@ -12,7 +12,11 @@
 //! keys a few ahead in a batch ([`EngineMap::prefetch`]) so that one event's cache misses
 //! overlap instead of serialising.
 
-const EMPTY: u64 = u64::MAX;
+/// Values are stored with this bit set, so that an all-zero bucket is an empty one and a new
+/// table comes zeroed from the allocator (no fill pass; pages are faulted in as they are used).
+/// Callers' values never use it (block locations are `hold << 32 | offset`, holds < 2^31).
+const OCCUPIED: u64 = 1 << 63;
+const EMPTY: u64 = 0;
 const K: u64 = 0x9e37_79b9_7f4a_7c15;
 const WAYS: usize = 4;
 const MIN_BUCKETS: usize = 4;
@@ -23,14 +27,17 @@ const STUCK: u8 = u8::MAX;
 #[repr(C, align(64))]
 struct Bucket {
     keys: [u64; WAYS],
-    /// `EMPTY` marks a free way (a block location is never `u64::MAX`).
+    /// `EMPTY` marks a free way; a used one holds `value | OCCUPIED`.
     values: [u64; WAYS],
 }
 
-const FREE: Bucket = Bucket {
-    keys: [0; WAYS],
-    values: [EMPTY; WAYS],
-};
+/// `n` empty buckets, zeroed by the allocator.
+fn empty_buckets(n: usize) -> Box<[Bucket]> {
+    let buckets = Box::<[Bucket]>::new_zeroed_slice(n);
+    // SAFETY: a `Bucket` is plain integers, for which all-zero bytes are valid, and an
+    // all-zero bucket is an empty one.
+    unsafe { buckets.assume_init() }
+}
 
 impl Bucket {
     /// Ways holding `key`, as a bit mask.
@@ -121,24 +128,26 @@ impl EngineMap {
 
     #[inline(always)]
     pub(crate) fn get(&self, key: u64) -> Option<u64> {
-        self.find(key).map(|(i, way)| self.buckets[i].values[way])
+        self.find(key)
+            .map(|(i, way)| self.buckets[i].values[way] & !OCCUPIED)
     }
 
     /// Insert or replace; returns the previous value.
     #[inline(always)]
     pub(crate) fn insert(&mut self, key: u64, value: u64) -> Option<u64> {
-        debug_assert_ne!(value, EMPTY);
+        debug_assert_eq!(value & OCCUPIED, 0);
         if let Some((i, way)) = self.find(key) {
-            return Some(std::mem::replace(&mut self.buckets[i].values[way], value));
+            let old = std::mem::replace(&mut self.buckets[i].values[way], value | OCCUPIED);
+            return Some(old & !OCCUPIED);
         }
         if (self.len + 1) * 8 > self.capacity() * 5 {
             self.grow();
         }
-        self.place(key, value);
+        self.place(key, value | OCCUPIED);
         None
     }
 
-    /// Store a key known to be absent.
+    /// Store a key known to be absent (`value` carries `OCCUPIED`).
     #[inline(always)]
     fn place(&mut self, key: u64, value: u64) {
         let mask = self.mask();
@@ -162,7 +171,7 @@ impl EngineMap {
     #[inline(always)]
     pub(crate) fn remove(&mut self, key: u64) -> Option<u64> {
         let (i, way) = self.find(key)?;
-        let removed = std::mem::replace(&mut self.buckets[i].values[way], EMPTY);
+        let removed = std::mem::replace(&mut self.buckets[i].values[way], EMPTY) & !OCCUPIED;
         self.len -= 1;
         // Take back the counts its insert left in the full buckets it passed.
         let mask = self.mask();
@@ -178,7 +187,7 @@ impl EngineMap {
 
     fn grow(&mut self) {
         let buckets = (self.buckets.len() * 2).max(MIN_BUCKETS);
-        let old = std::mem::replace(&mut self.buckets, vec![FREE; buckets].into_boxed_slice());
+        let old = std::mem::replace(&mut self.buckets, empty_buckets(buckets));
         self.overflow = vec![0; buckets].into_boxed_slice();
         self.shift = 64 - buckets.trailing_zeros();
         self.len = 0;
