@@ -33,10 +33,22 @@ struct Bucket {
 
 /// `n` empty buckets, zeroed by the allocator.
 fn empty_buckets(n: usize) -> Box<[Bucket]> {
-    let buckets = Box::<[Bucket]>::new_zeroed_slice(n);
-    // SAFETY: a `Bucket` is plain integers, for which all-zero bytes are valid, and an
-    // all-zero bucket is an empty one.
-    unsafe { buckets.assume_init() }
+    if n == 0 {
+        return Box::default();
+    }
+    let layout = match std::alloc::Layout::array::<Bucket>(n) {
+        Ok(layout) => layout,
+        Err(_) => panic!("engine map of {n} buckets exceeds the address space"),
+    };
+    // SAFETY: the layout has a non-zero size (n > 0, buckets are 64 bytes).
+    let ptr = unsafe { std::alloc::alloc_zeroed(layout) } as *mut Bucket;
+    if ptr.is_null() {
+        std::alloc::handle_alloc_error(layout);
+    }
+    // SAFETY: `ptr` is a fresh allocation of `n` buckets with the global allocator and the
+    // layout `Box<[Bucket]>` frees with; a `Bucket` is plain integers, for which all-zero bytes
+    // are valid (and an all-zero bucket is an empty one).
+    unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(ptr, n)) }
 }
 
 impl Bucket {
