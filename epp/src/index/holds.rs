@@ -110,7 +110,7 @@ pub(crate) struct Lane {
     /// Which worker owns this slot now; a writer that resolved the slot before a removal sees
     /// the change here and resolves again instead of writing into a freed slot.
     pub(crate) owner: Option<WorkerKey>,
-    /// Engine block hash -> `hold << 32 | offset`.
+    /// Engine block hash -> `hold << 32 | offset` (holds are numbered below 2^31).
     pub(crate) engine: EngineMap,
     holds: Vec<Hold>,
     free: Vec<u32>,
@@ -165,6 +165,7 @@ impl Lane {
                 (self.holds.len() - 1) as u32
             }
         };
+        self.engine.open_hold(index, seg.cap());
         self.by_seg.insert(key, index);
         index
     }
@@ -237,6 +238,7 @@ impl Lane {
                 hold.seg = std::ptr::null();
                 hold.bits = Vec::new();
                 self.by_seg.remove(&(seg as usize));
+                self.engine.close_hold(index);
                 self.free.push(index);
                 // SAFETY: our reference kept it alive until this release.
                 unsafe { (*seg).release(counters, guard) };
@@ -265,7 +267,7 @@ impl Lane {
 
     /// Heap bytes of the lane's private state.
     pub(crate) fn bytes(&self) -> usize {
-        self.engine.capacity() * 16
+        self.engine.bytes()
             + self.holds.iter().map(|h| h.bits.len() * 8).sum::<usize>()
             + self.holds.capacity() * std::mem::size_of::<Hold>()
     }
