@@ -128,6 +128,26 @@ pub enum IndexError {
 struct Registry {
     by_key: HashMap<WorkerKey, u32, MixBuild>,
     by_slot: Vec<Option<WorkerKey>>,
+    /// Registered slots as a bitset: where a lookup's set of candidates starts.
+    mask: [u64; MAX_WIDTH],
+}
+
+impl Registry {
+    fn set(&mut self, slot: u32, key: Option<WorkerKey>) {
+        let slot = slot as usize;
+        if self.by_slot.len() <= slot {
+            self.by_slot.resize(slot + 1, None);
+        }
+        self.by_slot[slot] = key;
+        let bit = 1u64 << (slot % 64);
+        match key {
+            Some(key) => {
+                self.by_key.insert(key, slot as u32);
+                self.mask[slot / 64] |= bit;
+            }
+            None => self.mask[slot / 64] &= !bit,
+        }
+    }
 }
 
 #[derive(Default)]
@@ -408,7 +428,7 @@ impl KvIndex {
             let mut next = (*self.registry.load_full()).clone();
             if next.by_key.get(&key) == Some(&slot) {
                 next.by_key.remove(&key);
-                next.by_slot[slot as usize] = None;
+                next.set(slot, None);
                 admin.free.push_back(slot);
                 self.registry.store(Arc::new(next));
             }
@@ -452,25 +472,45 @@ impl KvIndex {
             }
         };
         let n = local_hashes.len();
-        let mut alive = [u64::MAX; MAX_WIDTH];
+        // Registered slots only, so that the first segments test nobody else.
+        let mut alive = registry.mask;
         let mut pos = 0usize;
         loop {
             // Block 0 matches by construction (it is the child's key).
             let m = common_prefix(seg.published_words(), &local_hashes[pos..], 1);
             // Workers that hold the whole matched stretch go on; the others stop inside it.
             let mut keep = [0u64; MAX_WIDTH];
-            for entry in seg.holders() {
-                let slot = entry.slot.load(Ordering::Relaxed) as usize;
-                let (w, bit) = (slot / 64, 1u64 << (slot % 64));
-                if w >= width || alive[w] & bit == 0 {
-                    continue;
+            if width == 1 && (alive[0].count_ones() as usize) * 2 < seg.entry_count() {
+                // Few workers left among many entries: read theirs through the header's index.
+                let mut left = alive[0];
+                while left != 0 {
+                    let slot = left.trailing_zeros() as usize;
+                    let bit = left & left.wrapping_neg();
+                    left &= left - 1;
+                    let depth = seg
+                        .hinted_entry(slot)
+                        .map_or(0, |e| e.depth.load(Ordering::Acquire) as usize);
+                    if depth >= m {
+                        keep[0] |= bit;
+                    } else {
+                        report(slot, pos + depth, out);
+                        alive[0] &= !bit;
+                    }
                 }
-                let depth = entry.depth.load(Ordering::Acquire) as usize;
-                if depth >= m {
-                    keep[w] |= bit;
-                } else {
-                    report(slot, pos + depth, out);
-                    alive[w] &= !bit;
+            } else {
+                for entry in seg.holders() {
+                    let slot = entry.slot.load(Ordering::Relaxed) as usize;
+                    let (w, bit) = (slot / 64, 1u64 << (slot % 64));
+                    if w >= width || alive[w] & bit == 0 {
+                        continue;
+                    }
+                    let depth = entry.depth.load(Ordering::Acquire) as usize;
+                    if depth >= m {
+                        keep[w] |= bit;
+                    } else {
+                        report(slot, pos + depth, out);
+                        alive[w] &= !bit;
+                    }
                 }
             }
             let mut any = 0u64;
@@ -549,11 +589,7 @@ impl KvIndex {
         };
         *self.lanes[slot as usize].lock() = Lane::new(worker);
         let mut next = (*current).clone();
-        next.by_key.insert(worker, slot);
-        if next.by_slot.len() <= slot as usize {
-            next.by_slot.resize(slot as usize + 1, None);
-        }
-        next.by_slot[slot as usize] = Some(worker);
+        next.set(slot, Some(worker));
         self.registry.store(Arc::new(next));
         Ok(slot)
     }

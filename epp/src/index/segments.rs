@@ -26,7 +26,7 @@
 //! - A child is created, and a dead child replaced, only under the parent's lock.
 //! - A segment's `live` never goes up from zero after it was marked dead ([`Seg::try_acquire`]).
 
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 
 use crossbeam_epoch::Guard;
 use parking_lot::Mutex;
@@ -40,6 +40,9 @@ const DEAD: u32 = u32::MAX;
 pub(crate) const MIN_CAP: usize = 16;
 pub(crate) const MAX_CAP: usize = 1 << 14;
 const INLINE_ENTRIES: usize = 4;
+/// Slots with a direct entry index in the segment header.
+pub(crate) const HINTED_SLOTS: usize = 64;
+const NO_ENTRY: u8 = u8::MAX;
 const CHUNK_ENTRIES: usize = 28;
 
 /// A worker slot's depth in one segment. `slot` is written once, before the entry is
@@ -84,6 +87,9 @@ pub(crate) struct Seg {
     entry_count: AtomicU32,
     entries: [HolderEntry; INLINE_ENTRIES],
     more: AtomicPtr<EntryChunk>,
+    /// For slots below 64: the index of the slot's entry (`NO_ENTRY` when it has none), so a
+    /// lookup with few workers left reads their entries directly instead of scanning them all.
+    entry_of: [AtomicU8; HINTED_SLOTS],
 }
 
 /// Zeroed atomic words straight from the allocator (`vec![0; n]` is a calloc: pages are
@@ -117,6 +123,7 @@ impl Seg {
             entry_count: AtomicU32::new(0),
             entries: [const { HolderEntry::new() }; INLINE_ENTRIES],
             more: AtomicPtr::new(std::ptr::null_mut()),
+            entry_of: [const { AtomicU8::new(NO_ENTRY) }; HINTED_SLOTS],
         }
     }
 
@@ -187,6 +194,41 @@ impl Seg {
         inline.chain(chunked)
     }
 
+    /// Entries published so far.
+    #[inline(always)]
+    pub(crate) fn entry_count(&self) -> usize {
+        self.entry_count.load(Ordering::Acquire) as usize
+    }
+
+    /// The entry of `slot` (below [`HINTED_SLOTS`]) through the header's index, without a
+    /// scan. `None` when the slot never held a block here.
+    #[inline]
+    pub(crate) fn hinted_entry(&self, slot: usize) -> Option<&HolderEntry> {
+        let index = self.entry_of.get(slot)?.load(Ordering::Acquire);
+        if index == NO_ENTRY {
+            return None;
+        }
+        let index = index as usize;
+        if index < INLINE_ENTRIES {
+            return self.entries.get(index);
+        }
+        let mut at = index - INLINE_ENTRIES;
+        let mut chunk = self.more.load(Ordering::Acquire);
+        loop {
+            if chunk.is_null() {
+                return None;
+            }
+            // SAFETY: chunks are published before the index that points into them and live as
+            // long as the segment, which the caller's pin keeps.
+            let current = unsafe { &*chunk };
+            if at < CHUNK_ENTRIES {
+                return current.entries.get(at);
+            }
+            at -= CHUNK_ENTRIES;
+            chunk = current.next.load(Ordering::Acquire);
+        }
+    }
+
     /// `slot`'s entry, added if the slot never held a block here.
     pub(crate) fn entry_for(&self, slot: u32, counters: &SegCounters) -> &HolderEntry {
         if let Some(entry) = self
@@ -232,6 +274,11 @@ impl Seg {
         entry.slot.store(slot, Ordering::Relaxed);
         entry.depth.store(0, Ordering::Relaxed);
         self.entry_count.store(index as u32 + 1, Ordering::Release);
+        if let Some(hint) = self.entry_of.get(slot as usize) {
+            if index < NO_ENTRY as usize {
+                hint.store(index as u8, Ordering::Release);
+            }
+        }
         entry
     }
 
