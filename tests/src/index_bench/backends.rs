@@ -6,6 +6,7 @@
 use std::collections::{HashMap, HashSet};
 
 use kv_index::{ChainBlockMap, ChainIndex, ContentHash, SequenceHash};
+use kvroute_epp::index::hash::MixBuild;
 use kvroute_epp::index::KvIndex;
 use kvroute_proto::events::StoredBlock;
 use kvroute_proto::hashing::chain_sequence_hash;
@@ -76,7 +77,9 @@ pub trait Backend: Sync {
 pub struct Ours<'c> {
     pub index: KvIndex,
     keys: Vec<WorkerKey>,
-    slot_of: HashMap<WorkerKey, usize>,
+    /// Worker key -> dense index, with a multiply-fold hasher: the lookup's result conversion
+    /// is inside the timed call, so it should cost about what ChainIndex's (a table index) does.
+    slot_of: HashMap<WorkerKey, usize, MixBuild>,
     stored: Vec<StoredBlock>,
     hashes: &'c [u64],
 }
@@ -168,9 +171,10 @@ impl Backend for Ours<'_> {
 
 pub struct Chain {
     pub index: ChainIndex,
-    /// Dense worker index -> interned ChainIndex worker id, and back.
+    /// Dense worker index -> interned ChainIndex worker id, and back (ids are small and dense,
+    /// so the way back is a table: the conversion is inside the timed lookup).
     ids: Vec<u32>,
-    by_id: HashMap<u32, usize>,
+    by_id: Vec<Option<usize>>,
     stored: Vec<kv_index::StoredBlock>,
     hashes: Vec<SequenceHash>,
 }
@@ -179,13 +183,16 @@ impl Chain {
     pub fn prepare(shared: &Shared<'_>) -> anyhow::Result<Self> {
         let index = ChainIndex::with_max_workers(shared.workers.len().max(1));
         let mut ids = Vec::new();
-        let mut by_id = HashMap::new();
+        let mut by_id = Vec::new();
         for (i, (worker, rank)) in shared.workers.iter().enumerate() {
             let id = index
                 .intern_worker(&format!("w{worker}r{rank}"))
                 .map_err(|e| anyhow::anyhow!("ChainIndex intern_worker: {e}"))?;
             ids.push(id);
-            by_id.insert(id, i);
+            if by_id.len() <= id as usize {
+                by_id.resize(id as usize + 1, None);
+            }
+            by_id[id as usize] = Some(i);
         }
         Ok(Chain {
             index,
@@ -264,7 +271,7 @@ impl Backend for Chain {
             |h| *h,
             false,
             |id, depth| {
-                if let Some(&i) = self.by_id.get(&id) {
+                if let Some(&Some(i)) = self.by_id.get(id as usize) {
                     out.push((i, depth));
                 }
             },
