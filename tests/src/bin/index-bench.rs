@@ -354,7 +354,7 @@ fn main() -> Result<()> {
             let (value, note) = match &row.search.sustained {
                 Some((rate, trial)) => (
                     *rate,
-                    format!("p99 {:.0}µs", trial.percentile(99.0) as f64 / 1e3),
+                    format!("p99 {:.1}µs", trial.percentile(99.0) as f64 / 1e3),
                 ),
                 None => (0.0, String::new()),
             };
