@@ -252,3 +252,60 @@ fn growth_and_wide_worker_sets_stay_exact() {
     }
     assert_eq!(index.stats().blocks, reference.blocks());
 }
+
+/// A segment many workers hold, reached with few workers left: the lookup reads the remaining
+/// workers' depths through the segment's slot index instead of scanning its entries. Forty
+/// workers hold a chain whose second half hangs off another worker's segment; most then evict
+/// the chain's first block, so only a few are still matching when the lookup reaches the half
+/// they all hold. Scores must equal the reference's at every step of the evictions.
+#[test]
+fn few_remaining_workers_among_many_holders_score_exactly() {
+    let index = KvIndex::new();
+    let mut reference = ReferenceIndex::new();
+    let head = [11u64, 12, 13, 14];
+    let branch = [21u64, 22, 23, 24];
+    let other = [31u64, 32];
+    let apply = |index: &KvIndex, reference: &mut ReferenceIndex, w: WorkerKey, e: KvEventData| {
+        assert_eq!(index.apply(w, &e), reference.apply(w, &e));
+    };
+    // Worker 0 lays down head + other, so the branch becomes a child segment.
+    let w0: WorkerKey = (0, 0);
+    let chain0: Vec<(u64, u64)> = head
+        .iter()
+        .chain(&other)
+        .enumerate()
+        .map(|(i, &c)| (i as u64, c))
+        .collect();
+    apply(&index, &mut reference, w0, stored(None, &chain0));
+    for w in 1..40u64 {
+        let chain: Vec<(u64, u64)> = head
+            .iter()
+            .chain(&branch)
+            .enumerate()
+            .map(|(i, &c)| ((w << 32) | i as u64, c))
+            .collect();
+        apply(&index, &mut reference, (w, 0), stored(None, &chain));
+    }
+    let query: Vec<u64> = head.iter().chain(&branch).copied().collect();
+    let check = |index: &KvIndex, reference: &ReferenceIndex| {
+        for len in 1..=query.len() {
+            let got: std::collections::BTreeMap<_, _> = index
+                .find_matches(&query[..len])
+                .scores
+                .into_iter()
+                .collect();
+            assert_eq!(got, reference.find_matches(&query[..len]), "prefix {len}");
+        }
+    };
+    check(&index, &reference);
+    for w in 3..40u64 {
+        let hole = KvEventData::Removed {
+            block_hashes: vec![(w << 32) | (w % 4)],
+        };
+        apply(&index, &mut reference, (w, 0), hole);
+        check(&index, &reference);
+    }
+    // Workers 1 and 2 still match all eight blocks; the others stop at their holes.
+    assert_eq!(index.find_matches(&query).get(&(1, 0)), 8);
+    assert_eq!(index.find_matches(&query).get(&(7, 0)), 3);
+}

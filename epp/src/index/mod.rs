@@ -61,7 +61,7 @@ use parking_lot::Mutex;
 
 use hash::MixBuild;
 use holds::{unloc, Lane};
-use segments::{Seg, SegCounters, MIN_CAP};
+use segments::{Seg, SegCounters, HINTED_SLOTS, MIN_CAP};
 
 /// A worker as the index knows it: `(worker_id, dp_rank)`.
 pub type WorkerKey = (u64, u32);
@@ -480,7 +480,13 @@ impl KvIndex {
             let m = common_prefix(seg.published_words(), &local_hashes[pos..], 1);
             // Workers that hold the whole matched stretch go on; the others stop inside it.
             let mut keep = [0u64; MAX_WIDTH];
-            if width == 1 && (alive[0].count_ones() as usize) * 2 < seg.entry_count() {
+            let entries = seg.entry_count();
+            // With one slot word every slot ever used is below 64, so a segment has at most 64
+            // entries and each has its index in the header (checked, not assumed).
+            if width == 1
+                && entries <= HINTED_SLOTS
+                && (alive[0].count_ones() as usize) * 2 < entries
+            {
                 // Few workers left among many entries: read theirs through the header's index.
                 let mut left = alive[0];
                 while left != 0 {
