@@ -40,7 +40,8 @@
 //!   writes are one depth store per (event, segment) and the reference counts when a worker
 //!   starts or stops naming blocks in a segment. A store whose parent is its segment's last
 //!   block appends in place under the segment's lock.
-//! - Lookups take no lock and write nothing shared; they pin an epoch (crossbeam-epoch).
+//! - Lookups take no lock and write nothing in the index; they pin an epoch (crossbeam-epoch)
+//!   for their walk.
 //! - Memory is reclaimed as it dies, with no pause: a segment is freed when no worker names a
 //!   block in it and it has no live child, after every reader that could see it has unpinned.
 
