@@ -110,7 +110,7 @@ pub(crate) struct Lane {
     /// Which worker owns this slot now; a writer that resolved the slot before a removal sees
     /// the change here and resolves again instead of writing into a freed slot.
     pub(crate) owner: Option<WorkerKey>,
-    /// Engine block hash -> `hold << 32 | offset` (holds are numbered below 2^31).
+    /// Engine block hash -> `hold << 32 | offset`.
     pub(crate) engine: EngineMap,
     holds: Vec<Hold>,
     free: Vec<u32>,
