@@ -24,8 +24,6 @@ pub(crate) struct Hold {
     /// Engine hashes of this worker pointing into the segment (its reference to the segment
     /// lasts while this is above zero at the end of an event).
     refs: u32,
-    /// Offsets whose bit is set.
-    held: u32,
     /// Consecutive held offsets from 0: what readers see.
     depth: u32,
     dirty: bool,
@@ -49,7 +47,6 @@ impl Hold {
             return false;
         }
         *cell |= mask;
-        self.held += 1;
         if off == self.depth {
             self.depth = first_clear(&self.bits, off);
         }
@@ -67,7 +64,6 @@ impl Hold {
             return false;
         }
         *cell &= !mask;
-        self.held -= 1;
         if off < self.depth {
             self.depth = off;
         }
@@ -151,7 +147,6 @@ impl Lane {
             entry,
             bits: vec![0; seg.cap().div_ceil(64)],
             refs: 0,
-            held: 0,
             depth: 0,
             dirty: false,
         };
@@ -233,7 +228,7 @@ impl Lane {
                 entry.depth.store(hold.depth, Ordering::Release);
             }
             if hold.refs == 0 {
-                debug_assert_eq!(hold.held, 0);
+                debug_assert!(hold.bits.iter().all(|&w| w == 0), "held without a name");
                 let seg = hold.seg;
                 hold.seg = std::ptr::null();
                 hold.bits = Vec::new();
