@@ -9,6 +9,7 @@ pub mod hints;
 pub mod metadata;
 pub mod openai;
 pub mod prompt;
+pub mod request_id;
 pub mod tokenizer;
 pub mod worker_id;
 

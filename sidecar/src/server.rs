@@ -127,22 +127,10 @@ pub async fn serve(
     Ok(())
 }
 
-/// The client's `x-request-id`, or a fresh uuid.
-fn request_id(req: &Request<Incoming>) -> HeaderValue {
-    req.headers()
-        .get(REQUEST_ID)
-        .filter(|v| !v.is_empty() && v.len() <= 256 && v.to_str().is_ok())
-        .cloned()
-        .unwrap_or_else(|| {
-            HeaderValue::from_str(&uuid::Uuid::new_v4().to_string())
-                .unwrap_or(HeaderValue::from_static("unknown"))
-        })
-}
-
 /// Routes one request; every response carries the request id.
 pub async fn handle(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let arrived = Instant::now();
-    let rid = request_id(&req);
+    let rid = kvroute_proto::request_id::from_or_new(req.headers());
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let mut resp = match (path.as_str(), &method) {

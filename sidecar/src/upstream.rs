@@ -21,7 +21,7 @@ use kvroute_proto::hints;
 use crate::metrics::Metrics;
 use crate::respond::{error_response, Body, BoxError};
 
-pub const REQUEST_ID: &str = "x-request-id";
+pub use kvroute_proto::request_id::HEADER as REQUEST_ID;
 
 /// The pooled HTTP/1.1 client every upstream call goes through.
 pub type HttpClient = Client<HttpConnector, Body>;

@@ -33,7 +33,7 @@ use crate::sim::SimEngine;
 use respond::{error_response, json_response, method_not_allowed, RespBody};
 
 pub const WORKER_ID_HEADER: &str = "x-kvroute-worker-id";
-pub const REQUEST_ID_HEADER: &str = "x-request-id";
+pub use kvroute_proto::request_id::HEADER as REQUEST_ID_HEADER;
 /// The dp rank the EPP picked (Dynamo's header).
 pub const DP_RANK_HEADER: &str = "x-dynamo-dp-rank";
 
@@ -201,21 +201,10 @@ pub async fn serve(
     Ok(())
 }
 
-fn request_id(req: &Request<Incoming>) -> HeaderValue {
-    req.headers()
-        .get(REQUEST_ID_HEADER)
-        .filter(|v| !v.is_empty() && v.len() <= 256 && v.to_str().is_ok())
-        .cloned()
-        .unwrap_or_else(|| {
-            HeaderValue::from_str(&uuid::Uuid::new_v4().to_string())
-                .unwrap_or(HeaderValue::from_static("unknown"))
-        })
-}
-
 /// Routes one request and stamps the worker id and request id on the response.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<RespBody> {
     let arrived = Instant::now();
-    let rid = request_id(&req);
+    let rid = kvroute_proto::request_id::from_or_new(req.headers());
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let mut resp = match path.as_str() {
